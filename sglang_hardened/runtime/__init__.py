@@ -1,0 +1,7 @@
+"""Code that patched SGLang imports at run time.
+
+Upstream files carry thin seams that call into this package, so the
+hardening logic is written and tested once, whatever the base release.
+Nothing here may import SGLang at module level: a seam is called from
+inside SGLang's own import graph.
+"""
