@@ -1,0 +1,94 @@
+"""``sandbox up|down|status``: the test cluster by hand, one named sandbox at a time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .cluster import BACKENDS, Cluster, ClusterParams, marked_pids, start
+from .env import SandboxError, build_env, cache_root, default_overlay, wheel_for
+from .model import ensure_model
+
+
+def _state(name: str) -> Path:
+    return cache_root() / "sandbox" / f"{name}.json"
+
+
+def _load(name: str) -> Cluster | None:
+    path = _state(name)
+    return Cluster.from_json(json.loads(path.read_text())) if path.is_file() else None
+
+
+@click.group("sandbox")
+def sandbox() -> None:
+    """Run real SGLang prefill/decode + mini-lb on CPU, on 127.0.0.1."""
+
+
+@sandbox.command()
+@click.option("--name", default="default", show_default=True, help="Sandbox name (one cluster per name).")
+@click.option("--base", required=True, help="SGLang release, e.g. 0.5.19.")
+@click.option("--upstream/--hardened", "upstream", default=True, help="Pinned upstream wheel or hardened build.")
+@click.option("--wheel", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Run this SGLang wheel instead.")
+@click.option("--backend", type=click.Choice(sorted(BACKENDS)), default="mooncake", show_default=True)
+@click.option("--prefill-pool-tokens", type=int, default=256, show_default=True)
+@click.option("--decode-pool-tokens", type=int, default=4096, show_default=True)
+@click.option("--context-length", type=int, default=1024, show_default=True)
+@click.option("--page-size", type=int, default=1, show_default=True)
+@click.option("--chunked-prefill-size", type=int, default=None)
+@click.option("--waiting-timeout", type=int, default=300, show_default=True, help="Decode's PD waiting timeout, s.")
+@click.option("--extra-flag", "extra_flags", multiple=True, help="Passed to both servers (repeatable).")
+@click.option("--overlay", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="CPU stand-ins dir (default: the checkout's tests/cpu_overlay).")
+def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, prefill_pool_tokens: int,
+       decode_pool_tokens: int, context_length: int, page_size: int, chunked_prefill_size: int | None,
+       waiting_timeout: int, extra_flags: tuple[str, ...], overlay: Path | None) -> None:
+    """Build the environment if needed and start a cluster."""
+    try:
+        old = _load(name)
+        if old and marked_pids(old.run_id):
+            raise SandboxError(f"sandbox {name!r} is running: `sandbox down --name {name}` first")
+        params = ClusterParams(base=base, backend=backend, prefill_pool_tokens=prefill_pool_tokens,
+                               decode_pool_tokens=decode_pool_tokens, context_length=context_length,
+                               page_size=page_size, chunked_prefill_size=chunked_prefill_size,
+                               waiting_timeout_s=waiting_timeout, extra_flags=extra_flags)
+        params.validate()
+        env = build_env(base, wheel or wheel_for(base, hardened=not upstream), overlay or default_overlay())
+        cluster = start(env, params, ensure_model(env))
+    except SandboxError as e:
+        raise click.ClickException(str(e)) from e
+    _state(name).parent.mkdir(parents=True, exist_ok=True)
+    _state(name).write_text(json.dumps(cluster.to_json(), indent=1))
+    click.echo(f"up in {cluster.startup_s:.0f}s: load balancer {cluster.lb_url}")
+
+
+@sandbox.command()
+@click.option("--name", default="default", show_default=True)
+def down(name: str) -> None:
+    """Kill every process of the sandbox (by pid) and forget it."""
+    cluster = _load(name)
+    if cluster is None:
+        click.echo(f"sandbox {name!r} is not up")
+        return
+    cluster.stop()
+    _state(name).unlink()
+    click.echo(f"sandbox {name!r} down")
+
+
+@sandbox.command()
+@click.option("--name", default="default", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="URLs and parameters as JSON.")
+def status(name: str, as_json: bool) -> None:
+    """Say whether the sandbox runs, with its URLs and parameters."""
+    cluster = _load(name)
+    info = cluster.to_json() if cluster else {}
+    info["running"] = bool(cluster and marked_pids(cluster.run_id))
+    if as_json:
+        click.echo(json.dumps(info, indent=1))
+    elif not cluster:
+        click.echo(f"sandbox {name!r} is not up")
+    else:
+        click.echo(f"sandbox {name!r} {'running' if info['running'] else 'dead'}: "
+                   + ", ".join(f"{n} {u}" for n, u in info["urls"].items()))

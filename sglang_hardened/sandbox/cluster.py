@@ -1,0 +1,326 @@
+"""A real SGLang PD cluster on 127.0.0.1: prefill, decode and sglang-router's mini-lb.
+
+Every child runs in its own process group and carries a marker variable, so
+teardown kills it and anything it spawned by pid even when a test fails or
+the caller was a separate ``sandbox up`` invocation. Start-up waits have
+deadlines; any failure raises with the failing server's log tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .env import SandboxEnv, SandboxError, cache_root
+from .oracle import Reply, generate
+
+MARKER = "SGLANG_HARDENED_SANDBOX"
+
+# Flags that only differ by base: CUDA graphs off (names changed in 0.5.20+).
+CUDA_GRAPHS_OFF = {
+    "0.5.19": ["--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"],
+    "0.5.23": ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"],
+}
+BACKENDS = {"mooncake": "mooncake_tcp", "nixl": "nixl"}
+
+
+@dataclass(frozen=True)
+class ClusterParams:
+    """What a test or user chooses about a cluster; ports 0 are picked free."""
+
+    base: str
+    backend: str = "mooncake"
+    prefill_pool_tokens: int = 256
+    decode_pool_tokens: int = 4096
+    context_length: int = 1024
+    page_size: int = 1
+    chunked_prefill_size: int | None = None
+    waiting_timeout_s: int = 300
+    extra_flags: tuple[str, ...] = ()
+    prefill_port: int = 0
+    decode_port: int = 0
+    lb_port: int = 0
+
+    def validate(self) -> None:
+        if self.base not in CUDA_GRAPHS_OFF:
+            raise SandboxError(f"unknown base {self.base!r}: the cluster supports {', '.join(CUDA_GRAPHS_OFF)}")
+        if self.backend not in BACKENDS:
+            raise SandboxError(f"unknown backend {self.backend!r}: choose {', '.join(BACKENDS)}")
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    log: str
+    url: str
+    port: int
+
+
+@dataclass
+class Cluster:
+    """A started cluster; ``stop()`` (or the context manager) tears it all down."""
+
+    params: ClusterParams
+    run_id: str
+    run_dir: Path
+    procs: dict[str, Proc] = field(default_factory=dict)
+    bootstrap_port: int = 0
+    startup_s: float = 0.0
+
+    @property
+    def lb_url(self) -> str:
+        return self.procs["lb"].url
+
+    @property
+    def prefill_url(self) -> str:
+        return self.procs["prefill"].url
+
+    @property
+    def decode_url(self) -> str:
+        return self.procs["decode"].url
+
+    def generate(self, text: str, max_new_tokens: int = 8, timeout: float = 600.0) -> Reply:
+        return generate(self.lb_url, text, max_new_tokens, timeout)
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        try:
+            text = Path(self.procs[name].log).read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def log_tails(self, lines: int = 40) -> str:
+        return "\n".join(f"--- {n} log tail ({p.log}) ---\n{self.log_tail(n, lines)}" for n, p in self.procs.items())
+
+    def to_json(self) -> dict:
+        return {"run_id": self.run_id, "run_dir": str(self.run_dir), "params": asdict(self.params),
+                "bootstrap_port": self.bootstrap_port, "startup_s": round(self.startup_s, 1), "procs": {n: asdict(p) for n, p in self.procs.items()},
+                "urls": {n: p.url for n, p in self.procs.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Cluster:
+        params = ClusterParams(**{**data["params"], "extra_flags": tuple(data["params"]["extra_flags"])})
+        return cls(params, data["run_id"], Path(data["run_dir"]),
+                   {n: Proc(**p) for n, p in data["procs"].items()}, data["bootstrap_port"], data["startup_s"])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM each group, SIGKILL what is left, then any straggler with our marker."""
+        for p in self.procs.values():
+            _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and marked_pids(self.run_id):
+            time.sleep(0.2)
+        for p in self.procs.values():
+            _signal_group(p.pid, signal.SIGKILL)
+        for pid in marked_pids(self.run_id):
+            _signal(pid, signal.SIGKILL)
+        for p in self.procs.values():
+            _reap(p.pid)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and marked_pids(self.run_id):
+            time.sleep(0.1)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # each child leads its own group (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def marked_pids(run_id: str | None = None) -> list[int]:
+    """Live pids whose environment carries the sandbox marker (for ``run_id``, or any)."""
+    needle = f"{MARKER}={run_id}".encode() if run_id else f"{MARKER}=".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (d / "stat").read_text().split(") ", 1)[1].startswith("Z"):
+                continue
+            if any(v.startswith(needle) for v in (d / "environ").read_bytes().split(b"\0")):
+                found.append(int(d.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    """Someone listens on it (TIME_WAIT leftovers of closed connections do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _ports(wanted: list[int]) -> list[int]:
+    """Free ports for the zeros; a clear error for a requested port already held."""
+    for port in wanted:
+        if port and port_in_use(port):
+            raise SandboxError(f"port {port} on 127.0.0.1 is already in use")
+    chosen: list[int] = []
+    for port in wanted:
+        while not port:
+            port = free_port()
+            port = 0 if port in chosen or port in wanted else port
+        chosen.append(port)
+    return chosen
+
+
+def _server_cmd(env: SandboxEnv, p: ClusterParams, model: Path, role: str, port: int) -> list[str]:
+    cmd = [str(env.python), "-m", "sglang.launch_server", "--model-path", str(model),
+           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+           "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "float32",
+           *CUDA_GRAPHS_OFF[p.base], "--context-length", str(p.context_length), "--page-size", str(p.page_size),
+           "--disaggregation-mode", role, "--disaggregation-transfer-backend", BACKENDS[p.backend],
+           # without it the CPU pool is sized from host RAM and decode is killed for memory
+           "--max-total-tokens", str(p.prefill_pool_tokens if role == "prefill" else p.decode_pool_tokens)]
+    if p.chunked_prefill_size:
+        cmd += ["--chunked-prefill-size", str(p.chunked_prefill_size)]
+    if role == "decode":
+        cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]  # host_pool registers CUDA host memory
+    return cmd + list(p.extra_flags)
+
+
+def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str) -> dict[str, str]:
+    e = env.environ()
+    e.update({
+        MARKER: run_id,
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_HOST_IP": "127.0.0.1",  # else SGLang advertises the external address
+        "MC_FORCE_TCP": "1",
+        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(p.waiting_timeout_s),
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(p.waiting_timeout_s),
+        "HF_HUB_OFFLINE": "1",  # a missing model dir must fail, not try the hub
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return e
+
+
+def _spawn(name: str, cmd: list[str], env: dict[str, str], run_dir: Path) -> tuple[int, str]:
+    log = run_dir / f"{name}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    return proc.pid, str(log)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+    except ChildProcessError:
+        pass  # not our child (e.g. ``sandbox status``): fall back to /proc
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and not stat.read_text().split(") ", 1)[1].startswith("Z")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s: float = 300.0) -> Cluster:
+    """Start prefill, decode and mini-lb; return once a request through the lb succeeds.
+
+    On any failure everything started is killed and SandboxError carries the
+    failing server's log tail.
+    """
+    params.validate()
+    if env.base != params.base:
+        raise SandboxError(f"environment is for {env.base}, cluster asks for {params.base}")
+    t0 = time.monotonic()
+    run_id = uuid.uuid4().hex[:12]
+    run_dir = cache_root() / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    pp, bp, dp, lp = _ports([params.prefill_port, 0, params.decode_port, params.lb_port])
+    cluster = Cluster(params, run_id, run_dir, bootstrap_port=bp)
+    child_env = _child_env(env, params, run_id)
+    try:
+        for role, port in (("prefill", pp), ("decode", dp)):
+            cmd = _server_cmd(env, params, model, role, port)
+            if role == "prefill":
+                cmd += ["--disaggregation-bootstrap-port", str(bp)]
+            pid, log = _spawn(role, cmd, child_env, run_dir)
+            cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port)
+        _wait(cluster, ["prefill", "decode"], t0 + deadline_s, _healthy)
+        lb_cmd = [str(env.python), "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
+                  "--prefill", cluster.prefill_url, str(bp), "--decode", cluster.decode_url,
+                  "--host", "127.0.0.1", "--port", str(lp)]
+        pid, log = _spawn("lb", lb_cmd, child_env, run_dir)
+        cluster.procs["lb"] = Proc("lb", pid, log, f"http://127.0.0.1:{lp}", lp)
+        _wait(cluster, ["lb"], t0 + deadline_s, _serves)
+    except BaseException:
+        cluster.stop()
+        raise
+    cluster.startup_s = time.monotonic() - t0
+    (run_dir / "cluster.json").write_text(json.dumps(cluster.to_json(), indent=1))
+    return cluster
+
+
+def _serves(url: str) -> bool:
+    """The lb is ready when a real request through it succeeds (its /health says less)."""
+    try:
+        return generate(url, "ready", max_new_tokens=1, timeout=60).status == 200
+    except OSError:
+        return False
+
+
+def _wait(cluster: Cluster, names: list[str], deadline: float, ready) -> None:
+    pending = list(names)
+    while pending:
+        for name in list(pending):
+            proc = cluster.procs[name]
+            if not _alive(proc.pid):
+                raise SandboxError(f"{name} exited during start-up\n{cluster.log_tails()}")
+            if ready(proc.url):
+                pending.remove(name)
+        if pending and time.monotonic() > deadline:
+            raise SandboxError(f"{', '.join(pending)} not ready before the deadline\n{cluster.log_tails()}")
+        if pending:
+            time.sleep(1)

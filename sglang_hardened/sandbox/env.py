@@ -1,0 +1,260 @@
+"""Per-base Python environments that run real SGLang on CPU.
+
+Five bases share torch, triton and ~110 other pins (~3 GB), so they share one
+venv; each base adds a small ``--target`` layer for the pins that differ, and
+each SGLang wheel (upstream or hardened) is installed ``--no-deps`` into its
+own ``--target`` dir. Every part is keyed on the hash of its inputs and
+stamped when complete, so a rebuild happens only when an input changes.
+Test-only CPU stand-ins (an overlay dir with ``edits.toml`` and ``site/``) are
+applied to these environments, never to a wheel.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+PINS = Path(__file__).with_name("pins")
+PYTHON_VERSION = "3.11"  # the upstream wheels are cp311
+
+
+class SandboxError(RuntimeError):
+    """A harness failure with a message meant for the user."""
+
+
+def cache_root() -> Path:
+    """``$SGLANG_HARDENED_CACHE`` or ``~/.cache/sglang-hardened``."""
+    env = os.environ.get("SGLANG_HARDENED_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "sglang-hardened"
+
+
+def bases() -> list[str]:
+    """Bases the sandbox has pins for."""
+    return sorted(p.stem for p in PINS.glob("0.*.txt"))
+
+
+def _check_base(base: str) -> None:
+    if base not in bases():
+        raise SandboxError(f"unknown base {base!r}: the sandbox has pins for {', '.join(bases())}")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _key(*parts: bytes | str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode() if isinstance(p, str) else p)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """Test-tree CPU stand-ins: importable modules (``site/``) and source edits."""
+
+    root: Path
+
+    @property
+    def site(self) -> Path:
+        return self.root / "site"
+
+    def edits(self) -> list[dict[str, str]]:
+        return tomllib.loads((self.root / "edits.toml").read_text())["edit"]
+
+    def digest(self) -> str:
+        """Hash of the edits (``site/`` is used in place, so it needs no rebuild)."""
+        return _key((self.root / "edits.toml").read_bytes())
+
+    def apply(self, site: Path) -> list[str]:
+        """Apply the edits whose file lives under ``site``; return what was applied."""
+        applied = []
+        for e in self.edits():
+            target = site / e["file"]
+            if not target.is_file():
+                continue
+            text = target.read_text()
+            if e["old"] in text:
+                target.write_text(text.replace(e["old"], e["new"]))
+                applied.append(f"{e['file']}: {e['why']}")
+        return applied
+
+
+@dataclass(frozen=True)
+class SandboxEnv:
+    """What a process needs to run one base: the interpreter and its path."""
+
+    base: str
+    python: Path
+    path: tuple[Path, ...]  # PYTHONPATH, highest priority first
+
+    def environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(map(str, self.path))
+        env.pop("PYTHONHOME", None)
+        return env
+
+
+def _python311() -> str:
+    if sys.version_info[:2] == (3, 11):
+        return sys.executable
+    found = shutil.which(f"python{PYTHON_VERSION}")
+    if not found:
+        raise SandboxError(f"python{PYTHON_VERSION} is needed: the upstream wheels are cp311")
+    return found
+
+
+def _run(cmd: list[str], log: Path) -> None:
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+    if rc:
+        tail = "\n".join(log.read_text().splitlines()[-30:])
+        raise SandboxError(f"{cmd[0]} … failed (rc={rc}); log {log}:\n{tail}")
+
+
+def _built(dest: Path, key_inputs: dict[str, str], build) -> dict:
+    """Build ``dest`` once per input hash: stamp when complete, lock against peers."""
+    stamp = dest / ".sandbox-stamp.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.is_file():
+            return json.loads(stamp.read_text())
+        shutil.rmtree(dest, ignore_errors=True)  # an interrupted build
+        dest.mkdir()
+        extra = build(dest) or {}
+        info = {"inputs": key_inputs, **extra}
+        stamp.write_text(json.dumps(info, indent=1, sort_keys=True))
+        return info
+
+
+def ensure_libibverbs() -> None:
+    """Mooncake's engine links libibverbs even for TCP; install Debian's if missing."""
+    probe = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    if "libibverbs.so.1" in probe:
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise SandboxError("libibverbs1 is missing: install it (apt-get install libibverbs1)")
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "libibverbs1"]):
+        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        if r.returncode:
+            raise SandboxError(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+
+
+def _pip(python: str, *args: str) -> list[str]:
+    return [python, "-m", "pip", "install", "--no-deps", "--no-input", "--disable-pip-version-check", *args]
+
+
+def _common(overlay: Overlay, log: Path) -> Path:
+    pins = PINS / "common.txt"
+    key = _key(pins.read_bytes(), overlay.digest(), PYTHON_VERSION)
+    dest = cache_root() / "envs" / f"common-{key}"
+
+    def build(d: Path) -> dict:
+        _run([_python311(), "-m", "venv", str(d)], log)
+        py = str(d / "bin" / "python")
+        _run(_pip(py, "-r", str(pins)), log)
+        return {"overlay": overlay.apply(_site_packages(d))}
+
+    _built(dest, {"pins": str(pins), "overlay": str(overlay.root)}, build)
+    return dest
+
+
+def _site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{PYTHON_VERSION}" / "site-packages"
+
+
+def _target(python: Path, name: str, key: str, args: list[str], overlay: Overlay, log: Path) -> Path:
+    dest = cache_root() / "envs" / f"{name}-{key}"
+
+    def build(d: Path) -> dict:
+        _run(_pip(str(python), "--target", str(d), *args), log)
+        return {"overlay": overlay.apply(d)}
+
+    _built(dest, {"args": " ".join(args)}, build)
+    return dest
+
+
+def upstream_wheel(base: str) -> Path:
+    """The pinned upstream wheel for ``base``, downloaded once, sha256-checked.
+
+    ``$SGLANG_HARDENED_WHEELHOUSE`` may name a dir already holding the files.
+    """
+    lock = tomllib.loads((Path(__file__).parents[2] / "patches" / "upstream.lock").read_text())
+    entry = lock["base"].get(base)
+    if entry is None:
+        raise SandboxError(f"unknown base {base!r}: upstream.lock pins {', '.join(lock['base'])}")
+    dest = cache_root() / "wheels" / entry["file"]
+    house = os.environ.get("SGLANG_HARDENED_WHEELHOUSE")
+    if not dest.is_file():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".download-{os.getpid()}"
+        if house and (Path(house) / entry["file"]).is_file():
+            tmp.mkdir(exist_ok=True)
+            shutil.copy(Path(house) / entry["file"], tmp / entry["file"])
+        else:
+            _run([_python311(), "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                  "--python-version", PYTHON_VERSION, "--platform", "manylinux_2_34_x86_64",
+                  "-d", str(tmp), f"sglang=={base}"], dest.parent / "download.log")
+        got = tmp / entry["file"]
+        if not got.is_file() or sha256_file(got) != entry["sha256"]:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SandboxError(f"{entry['file']}: missing or sha256 differs from patches/upstream.lock")
+        got.rename(dest)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def build_env(base: str, wheel: Path, overlay: Path) -> SandboxEnv:
+    """Build (or reuse) the environment running ``wheel`` for ``base`` on CPU."""
+    _check_base(base)
+    if not wheel.is_file():
+        raise SandboxError(f"no such wheel: {wheel}")
+    ov = Overlay(overlay.resolve())
+    if not (ov.root / "edits.toml").is_file():
+        raise SandboxError(f"not an overlay dir (no edits.toml): {overlay}")
+    ensure_libibverbs()
+    logs = cache_root() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"build-{base}.log"
+    common = _common(ov, log)
+    python = common / "bin" / "python"
+    pins = PINS / f"{base}.txt"
+    layer = _target(python, f"layer-{base}", _key(pins.read_bytes(), ov.digest()), ["-r", str(pins)], ov, log)
+    wheel_key = _key(sha256_file(wheel), ov.digest())
+    sglang = _target(python, "sglang", wheel_key, [str(wheel)], ov, log)
+    return SandboxEnv(base=base, python=python, path=(ov.site, sglang, layer))
+
+
+def default_overlay() -> Path:
+    """The test tree's CPU stand-ins, found from a source checkout."""
+    root = Path(__file__).parents[2] / "tests" / "cpu_overlay"
+    if not (root / "edits.toml").is_file():
+        raise SandboxError("no tests/cpu_overlay beside this package: run from a source checkout or pass an overlay")
+    return root
+
+
+def wheel_for(base: str, hardened: bool) -> Path:
+    """The SGLang wheel a sandbox runs: pinned upstream, or the hardened build of ``base``."""
+    if not hardened:
+        return upstream_wheel(base)
+    try:
+        from sglang_hardened import build  # the lead's wheel pipeline
+    except ImportError as e:
+        raise SandboxError("hardened wheels need sglang_hardened.build, which this checkout lacks") from e
+    return Path(build.build_wheel(base))

@@ -1,0 +1,99 @@
+"""Tiny random-weight Llama and byte-level BPE tokenizer, generated locally.
+
+There is no model hub here, and the harness only needs a model whose greedy
+output is a deterministic function of the KV it reads; a seeded random model
+is exactly that and costs a few MB. Runs inside a sandbox environment (needs
+torch, transformers, tokenizers): ``python -m sglang_hardened.sandbox.model DIR``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .env import SandboxEnv
+
+SEED = 1234
+VOCAB_SIZE = 512
+CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    vocab_size=VOCAB_SIZE,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+SPECIAL = ["<unk>", "<s>", "</s>"]
+
+
+def _corpus() -> list[str]:
+    """A fixed, seeded word salad so BPE merges are the same on every machine."""
+    import random
+
+    rng = random.Random(SEED)
+    words = ["tenant", "secret", "alpha", "bravo", "page", "cache", "token", "prefill",
+             "decode", "the", "of", "and", "to", "in", "key", "value", "0123456789"]
+    return [" ".join(rng.choice(words) for _ in range(64)) for _ in range(200)]
+
+
+def build(out: Path) -> None:
+    """Write config, weights and tokenizer into ``out`` (overwrites)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        model_max_length=CONFIG["max_position_embeddings"],
+    ).save_pretrained(out)
+
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "sandbox-model.json").write_text(json.dumps({"seed": SEED, **CONFIG}, sort_keys=True))
+
+
+def ensure_model(env: SandboxEnv) -> Path:
+    """The cached model dir for ``env``, generated once per (this file, base pins)."""
+    from .env import PINS, SandboxError, cache_root
+
+    key = hashlib.sha256(Path(__file__).read_bytes() + (PINS / f"{env.base}.txt").read_bytes()).hexdigest()[:16]
+    dest = cache_root() / "models" / f"tiny-llama-{env.base}-{key}"
+    if (dest / "sandbox-model.json").is_file():
+        return dest
+    tmp = dest.with_name(f".{dest.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    run_env = env.environ()
+    run_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), run_env["PYTHONPATH"]])
+    r = subprocess.run([str(env.python), "-m", "sglang_hardened.sandbox.model", str(tmp)],
+                       env=run_env, capture_output=True, text=True)
+    if r.returncode:
+        raise SandboxError(f"model generation failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]))

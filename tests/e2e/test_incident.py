@@ -1,0 +1,50 @@
+"""The oversized-prompt incident in PD mode: reproduced on upstream, acceptance on hardened."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import phase
+
+from .conftest import sandbox_env
+from .scenarios import LEAK_PARAMS, TIMEOUT_PARAMS, observe_leak, observe_oversized_via_lb
+
+pytestmark = pytest.mark.e2e
+
+
+def test_upstream_0519_oversized_prompt_gets_200_and_reads_other_tenants_kv(start_cluster):
+    cluster = start_cluster(sandbox_env("0.5.19"), **LEAK_PARAMS)
+    with phase("scenario leak 0.5.19 upstream"):
+        obs = observe_leak(cluster)
+    b = obs.oversized
+    assert all(r.status == 200 for rs in b.replies.values() for r in rs), b.replies
+    assert not obs.control.leaked, "a fitting prompt must not depend on history (setup is deterministic)"
+    for after_a1, after_a2 in zip(b.outputs("A1"), b.outputs("A2")):
+        assert after_a1 != after_a2, "B's output should change with tenant A's prompt (the leak)"
+    assert b.leaked
+
+
+def test_upstream_0523_oversized_prompt_400_at_prefill_but_lb_client_waits_for_decode_timeout(start_cluster):
+    cluster = start_cluster(sandbox_env("0.5.23"), **TIMEOUT_PARAMS)
+    with phase("scenario timeout 0.5.23 upstream"):
+        obs = observe_oversized_via_lb(cluster)
+    print(f"prefill: {obs.at_prefill.status} in {obs.at_prefill.seconds:.1f}s; "
+          f"via mini-lb: {obs.via_lb.status} in {obs.via_lb.seconds:.1f}s")
+    assert obs.at_prefill.status == 400 and obs.at_prefill.seconds < 10
+    assert obs.via_lb.status >= 500
+    assert obs.via_lb.seconds >= cluster.params.waiting_timeout_s - 1, "the error should wait for decode's timeout"
+
+
+@pytest.mark.xfail(strict=True, reason="acceptance of H1/H2/H3: hardened 0.5.19 must reject B without a leak")
+def test_hardened_0519_oversized_prompt_rejected_without_leak(start_cluster):
+    cluster = start_cluster(sandbox_env("0.5.19", hardened=True), **LEAK_PARAMS)
+    obs = observe_leak(cluster)
+    assert all(400 <= r.status < 500 for rs in obs.oversized.replies.values() for r in rs)
+    assert not obs.oversized.leaked
+
+
+@pytest.mark.xfail(strict=True, reason="acceptance of H4/H9: hardened 0.5.23 must return prefill's 400 at once")
+def test_hardened_0523_oversized_prompt_error_reaches_client_at_once(start_cluster):
+    cluster = start_cluster(sandbox_env("0.5.23", hardened=True), **TIMEOUT_PARAMS)
+    obs = observe_oversized_via_lb(cluster)
+    assert obs.via_lb.status == 400 and obs.via_lb.seconds < 5
