@@ -124,9 +124,14 @@ class Cluster:
             _signal(pid, signal.SIGKILL)
         for p in self.procs.values():
             _reap(p.pid)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and marked_pids(self.run_id):
-            time.sleep(0.1)
+        # a killed server's sockets close asynchronously: teardown ends when its ports are free
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (marked_pids(self.run_id) or self.held_ports()):
+            time.sleep(0.2)
+
+    def held_ports(self) -> list[int]:
+        ports = [p.port for p in self.procs.values()] + [self.bootstrap_port]
+        return [port for port in ports if port and port_in_use(port)]
 
     def __enter__(self) -> Cluster:
         return self

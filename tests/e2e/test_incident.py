@@ -17,6 +17,7 @@ def test_upstream_0519_oversized_prompt_gets_200_and_reads_other_tenants_kv(star
     with phase("scenario leak 0.5.19 upstream"):
         obs = observe_leak(cluster)
     b = obs.oversized
+    print({label: b.outputs(label) for label in b.replies})
     assert all(r.status == 200 for rs in b.replies.values() for r in rs), b.replies
     assert not obs.control.leaked, "a fitting prompt must not depend on history (setup is deterministic)"
     for after_a1, after_a2 in zip(b.outputs("A1"), b.outputs("A2")):
