@@ -135,3 +135,56 @@ def info(as_json: bool) -> None:
     click.echo(format_table(("patch", "id", "sha256", "summary"),
                             [(p["name"], p["hardening_id"], p["sha256"][:16] + "…", p["summary"])
                              for p in found["patches"]]))
+
+
+@main.group()
+def policy() -> None:
+    """The hardening policy: defaults applied by `launch` and the image.
+
+    \b
+    Example:
+      sglang-hardened policy show --base 0.5.19
+    """
+
+
+@policy.command("show")
+@click.option("--base", required=True, help="Upstream release, e.g. 0.5.19.")
+def policy_show(base: str) -> None:
+    """Print the knobs that apply to a base.
+
+    \b
+    Example:
+      sglang-hardened policy show --base 0.5.23
+    """
+    from .policy import knobs_for
+
+    click.echo(format_table(("id", "knob", "value", "scope", "why"), [
+        (k.id, k.name, k.value or "on", "PD only" if k.pd_only else "all", k.why.split(";")[0])
+        for k in knobs_for(base)
+    ]))
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--base", help="Upstream release whose policy applies (default: the installed sglang's).")
+@click.option("--dry-run", is_flag=True, help="Print what would be set and the command; start nothing.")
+@click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
+def launch(base: str | None, dry_run: bool, sglang_args: tuple[str, ...]) -> None:
+    """Start SGLang's server with the hardening policy applied.
+
+    Each value the policy sets, and each one you overrode, is logged.
+
+    \b
+    Example:
+      sglang-hardened launch -- --model-path /models/llama --disaggregation-mode prefill
+    """
+    import os
+
+    from .launch import exec_sglang, installed_base, plan
+
+    result = plan(base or installed_base(), list(sglang_args), dict(os.environ))
+    click.echo(format_table(("id", "knob", "value", "outcome"),
+                            [(d.id, d.name, d.value, d.outcome) for d in result.decisions]), err=True)
+    if dry_run:
+        click.echo(" ".join(["python", "-m", "sglang.launch_server", *result.argv]))
+        return
+    exec_sglang(result)
