@@ -188,3 +188,65 @@ def launch(base: str | None, dry_run: bool, sglang_args: tuple[str, ...]) -> Non
         click.echo(" ".join(["python", "-m", "sglang.launch_server", *result.argv]))
         return
     exec_sglang(result)
+
+
+@main.command()
+@click.option("--from", "source", required=True, help="Base whose series is carried, e.g. 0.5.23.")
+@click.option("--to", "target", required=True, help="Newer upstream release, e.g. 0.5.24.")
+@click.option("--force", is_flag=True, help="Replace an existing series for the target.")
+@click.option("--report", type=click.Path(path_type=Path), help="Also write a markdown report here.")
+@click.option("--rejects", type=click.Path(path_type=Path), default=Path("rebase-rejects"),
+              show_default=True, help="Where conflicting files' three-way merges go.")
+def rebase(source: str, target: str, force: bool, report: Path | None, rejects: Path) -> None:
+    """Carry a series onto a newer upstream release and say, per patch, what happened.
+
+    Verdicts: applies, applies with offset, applies (3-way merge), already
+    upstream (dropped, recorded as Applied-Upstream), conflict (the merge with
+    its markers is written out; nothing else is written; exit 1).
+
+    \b
+    Example:
+      sglang-hardened rebase --from 0.5.23 --to 0.5.24 --report rebase.md
+    """
+    from .rebase import rebase as run_rebase
+    from .rebase import write_rejects, write_series
+
+    patches = patches_dir()
+    click.echo(f"carrying {source}'s series onto {target}…", err=True)
+    result = run_rebase(patches, source, target)
+    rows = [(v.patch.name, v.patch.hardening_id, v.verdict, v.detail) for v in result.verdicts]
+    table = format_table(("patch", "id", "verdict", "detail"), rows)
+    click.echo(table)
+    if report:
+        report.write_text(f"# Rebase of {source}'s series onto {target}\n\n"
+                          + "| patch | id | verdict | detail |\n|---|---|---|---|\n"
+                          + "".join(f"| {' | '.join(map(str, r))} |\n" for r in rows))
+    if not result.clean:
+        for path in write_rejects(result, rejects):
+            click.echo(f"conflict written to {path}", err=True)
+        raise HardenedError(f"rebase onto {target} needs a human: conflicts above; nothing written")
+    click.echo(f"wrote {write_series(patches, result, force=force)}")
+
+
+@main.group()
+def upstream() -> None:
+    """Upstream releases as the package index lists them.
+
+    \b
+    Example:
+      sglang-hardened upstream check
+    """
+
+
+@upstream.command("check")
+def upstream_check() -> None:
+    """List releases newer than the newest supported base (exit 0 either way).
+
+    \b
+    Example:
+      sglang-hardened upstream check
+    """
+    from .upstream import newer_releases
+
+    newer = newer_releases(patches_dir())
+    click.echo("\n".join(newer) if newer else "no release newer than the newest supported base")
