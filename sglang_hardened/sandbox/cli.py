@@ -8,12 +8,13 @@ from pathlib import Path
 import click
 
 from .cluster import BACKENDS, Cluster, ClusterParams, marked_pids, start
-from .env import SandboxError, build_env, cache_root, default_overlay, wheel_for
+from ..paths import cache_dir
+from .env import SandboxError, build_env, default_overlay, wheels_for
 from .model import ensure_model
 
 
 def _state(name: str) -> Path:
-    return cache_root() / "sandbox" / f"{name}.json"
+    return cache_dir() / "sandbox" / f"{name}.json"
 
 
 def _load(name: str) -> Cluster | None:
@@ -55,7 +56,8 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, p
                                page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                                waiting_timeout_s=waiting_timeout, extra_flags=extra_flags)
         params.validate()
-        env = build_env(base, wheel or wheel_for(base, hardened=not upstream), overlay or default_overlay())
+        wheels = [wheel] if wheel else wheels_for(base, hardened=not upstream)
+        env = build_env(base, wheels, overlay or default_overlay())
         cluster = start(env, params, ensure_model(env))
     except SandboxError as e:
         raise click.ClickException(str(e)) from e

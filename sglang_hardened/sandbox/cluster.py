@@ -18,7 +18,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .env import SandboxEnv, SandboxError, cache_root
+from ..paths import cache_dir
+from .env import SandboxEnv, SandboxError
 from .oracle import Reply, generate
 
 MARKER = "SGLANG_HARDENED_SANDBOX"
@@ -281,7 +282,7 @@ def start(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s: float
         raise SandboxError(f"environment is for {env.base}, cluster asks for {params.base}")
     t0 = time.monotonic()
     run_id = uuid.uuid4().hex[:12]
-    run_dir = cache_root() / "runs" / run_id
+    run_dir = cache_dir() / "runs" / run_id
     run_dir.mkdir(parents=True)
     pp, bp, dp, lp = _ports([params.prefill_port, 0, params.decode_port, params.lb_port])
     cluster = Cluster(params, run_id, run_dir, bootstrap_port=bp)

@@ -22,18 +22,15 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import HardenedError
+from ..paths import cache_dir
+
 PINS = Path(__file__).with_name("pins")
 PYTHON_VERSION = "3.11"  # the upstream wheels are cp311
 
 
 class SandboxError(RuntimeError):
     """A harness failure with a message meant for the user."""
-
-
-def cache_root() -> Path:
-    """``$SGLANG_HARDENED_CACHE`` or ``~/.cache/sglang-hardened``."""
-    env = os.environ.get("SGLANG_HARDENED_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "sglang-hardened"
 
 
 def bases() -> list[str]:
@@ -163,7 +160,7 @@ def _pip(python: str, *args: str) -> list[str]:
 def _common(overlay: Overlay, log: Path) -> Path:
     pins = PINS / "common.txt"
     key = _key(pins.read_bytes(), overlay.digest(), PYTHON_VERSION)
-    dest = cache_root() / "envs" / f"common-{key}"
+    dest = cache_dir() / "envs" / f"common-{key}"
 
     def build(d: Path) -> dict:
         _run([_python311(), "-m", "venv", str(d)], log)
@@ -180,7 +177,7 @@ def _site_packages(venv: Path) -> Path:
 
 
 def _target(python: Path, name: str, key: str, args: list[str], overlay: Overlay, log: Path) -> Path:
-    dest = cache_root() / "envs" / f"{name}-{key}"
+    dest = cache_dir() / "envs" / f"{name}-{key}"
 
     def build(d: Path) -> dict:
         _run(_pip(str(python), "--target", str(d), *args), log)
@@ -191,53 +188,39 @@ def _target(python: Path, name: str, key: str, args: list[str], overlay: Overlay
 
 
 def upstream_wheel(base: str) -> Path:
-    """The pinned upstream wheel for ``base``, downloaded once, sha256-checked.
+    """The pinned upstream wheel for ``base`` (downloaded once, sha256-checked)."""
+    from ..fetch import fetch_wheel
+    from ..lock import load_lock
+    from ..paths import patches_dir
 
-    ``$SGLANG_HARDENED_WHEELHOUSE`` may name a dir already holding the files.
-    """
-    lock = tomllib.loads((Path(__file__).parents[2] / "patches" / "upstream.lock").read_text())
-    entry = lock["base"].get(base)
-    if entry is None:
-        raise SandboxError(f"unknown base {base!r}: upstream.lock pins {', '.join(lock['base'])}")
-    dest = cache_root() / "wheels" / entry["file"]
-    house = os.environ.get("SGLANG_HARDENED_WHEELHOUSE")
-    if not dest.is_file():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.parent / f".download-{os.getpid()}"
-        if house and (Path(house) / entry["file"]).is_file():
-            tmp.mkdir(exist_ok=True)
-            shutil.copy(Path(house) / entry["file"], tmp / entry["file"])
-        else:
-            _run([_python311(), "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                  "--python-version", PYTHON_VERSION, "--platform", "manylinux_2_34_x86_64",
-                  "-d", str(tmp), f"sglang=={base}"], dest.parent / "download.log")
-        got = tmp / entry["file"]
-        if not got.is_file() or sha256_file(got) != entry["sha256"]:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise SandboxError(f"{entry['file']}: missing or sha256 differs from patches/upstream.lock")
-        got.rename(dest)
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    pins = load_lock(patches_dir())
+    if base not in pins:
+        raise SandboxError(f"unknown base {base!r}: upstream.lock pins {', '.join(pins)}")
+    try:
+        return fetch_wheel(pins[base])
+    except HardenedError as e:
+        raise SandboxError(str(e)) from e
 
 
-def build_env(base: str, wheel: Path, overlay: Path) -> SandboxEnv:
-    """Build (or reuse) the environment running ``wheel`` for ``base`` on CPU."""
+def build_env(base: str, wheels: list[Path], overlay: Path) -> SandboxEnv:
+    """Build (or reuse) the environment running ``wheels`` (SGLang first) for ``base`` on CPU."""
     _check_base(base)
-    if not wheel.is_file():
-        raise SandboxError(f"no such wheel: {wheel}")
+    for wheel in wheels:
+        if not wheel.is_file():
+            raise SandboxError(f"no such wheel: {wheel}")
     ov = Overlay(overlay.resolve())
     if not (ov.root / "edits.toml").is_file():
         raise SandboxError(f"not an overlay dir (no edits.toml): {overlay}")
     ensure_libibverbs()
-    logs = cache_root() / "logs"
+    logs = cache_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"build-{base}.log"
     common = _common(ov, log)
     python = common / "bin" / "python"
     pins = PINS / f"{base}.txt"
     layer = _target(python, f"layer-{base}", _key(pins.read_bytes(), ov.digest()), ["-r", str(pins)], ov, log)
-    wheel_key = _key(sha256_file(wheel), ov.digest())
-    sglang = _target(python, "sglang", wheel_key, [str(wheel)], ov, log)
+    wheel_key = _key(*(sha256_file(w) for w in wheels), ov.digest())
+    sglang = _target(python, "sglang", wheel_key, [str(w) for w in wheels], ov, log)
     return SandboxEnv(base=base, python=python, path=(ov.site, sglang, layer))
 
 
@@ -249,12 +232,19 @@ def default_overlay() -> Path:
     return root
 
 
-def wheel_for(base: str, hardened: bool) -> Path:
-    """The SGLang wheel a sandbox runs: pinned upstream, or the hardened build of ``base``."""
+def wheels_for(base: str, hardened: bool) -> list[Path]:
+    """The wheels a sandbox installs: pinned upstream SGLang, or the hardened build
+    of ``base`` plus the tool wheel whose runtime layer its patches import."""
     if not hardened:
-        return upstream_wheel(base)
+        return [upstream_wheel(base)]
+    from ..build import build
+
+    _check_base(base)
+    out = cache_dir() / "hardened" / base
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     try:
-        from sglang_hardened import build  # the lead's wheel pipeline
-    except ImportError as e:
-        raise SandboxError("hardened wheels need sglang_hardened.build, which this checkout lacks") from e
-    return Path(build.build_wheel(base))
+        [result], tool = build([base], out)
+    except HardenedError as e:
+        raise SandboxError(f"hardened build of {base} failed: {e}") from e
+    return [result.wheel, tool]

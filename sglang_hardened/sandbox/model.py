@@ -76,10 +76,11 @@ def build(out: Path) -> None:
 
 def ensure_model(env: SandboxEnv) -> Path:
     """The cached model dir for ``env``, generated once per (this file, base pins)."""
-    from .env import PINS, SandboxError, cache_root
+    from ..paths import cache_dir
+    from .env import PINS, SandboxError
 
     key = hashlib.sha256(Path(__file__).read_bytes() + (PINS / f"{env.base}.txt").read_bytes()).hexdigest()[:16]
-    dest = cache_root() / "models" / f"tiny-llama-{env.base}-{key}"
+    dest = cache_dir() / "models" / f"tiny-llama-{env.base}-{key}"
     if (dest / "sandbox-model.json").is_file():
         return dest
     tmp = dest.with_name(f".{dest.name}-{os.getpid()}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sglang_hardened.sandbox import cluster as sbc
-from sglang_hardened.sandbox.env import SandboxEnv, SandboxError, build_env, wheel_for
+from sglang_hardened.sandbox.env import SandboxEnv, build_env, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
 from tests.conftest import phase
 
@@ -18,18 +18,14 @@ _ENVS: dict[tuple[str, bool], SandboxEnv] = {}
 
 
 def sandbox_env(base: str, hardened: bool = False) -> SandboxEnv:
-    """The environment for ``base`` (built once per session; skip if no hardened build yet)."""
+    """The environment for ``base``, upstream or hardened (built once per session)."""
     key = (base, hardened)
     if key not in _ENVS:
         flavour = "hardened" if hardened else "upstream"
-        try:
-            wheel = wheel_for(base, hardened)
-        except SandboxError as e:
-            if hardened:
-                pytest.skip(f"no hardened build for {base}: {e}")
-            raise
+        with phase(f"wheels {base} {flavour}"):
+            wheels = wheels_for(base, hardened)
         with phase(f"env {base} {flavour}"):
-            env = build_env(base, wheel, OVERLAY)
+            env = build_env(base, wheels, OVERLAY)
         with phase(f"model {base}"):
             ensure_model(env)
         _ENVS[key] = env

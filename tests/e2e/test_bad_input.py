@@ -20,7 +20,7 @@ def test_unknown_base_is_named():
     with pytest.raises(SandboxError, match="unknown base '9.9.9'"):
         upstream_wheel("9.9.9")
     with pytest.raises(SandboxError, match="unknown base '9.9.9'"):
-        build_env("9.9.9", OVERLAY / "edits.toml", OVERLAY)
+        build_env("9.9.9", [OVERLAY / "edits.toml"], OVERLAY)
     with pytest.raises(SandboxError, match="unknown base '9.9.9'"):
         sbc.ClusterParams(base="9.9.9").validate()
 

@@ -36,7 +36,7 @@ def test_upstream_0523_oversized_prompt_400_at_prefill_but_lb_client_waits_for_d
     assert obs.via_lb.seconds >= cluster.params.waiting_timeout_s - 1, "the error should wait for decode's timeout"
 
 
-@pytest.mark.xfail(strict=True, reason="acceptance of H1/H2/H3: hardened 0.5.19 must reject B without a leak")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="acceptance of H1/H2/H3: hardened 0.5.19 must reject B without a leak")
 def test_hardened_0519_oversized_prompt_rejected_without_leak(start_cluster):
     cluster = start_cluster(sandbox_env("0.5.19", hardened=True), **LEAK_PARAMS)
     obs = observe_leak(cluster)
@@ -44,7 +44,7 @@ def test_hardened_0519_oversized_prompt_rejected_without_leak(start_cluster):
     assert not obs.oversized.leaked
 
 
-@pytest.mark.xfail(strict=True, reason="acceptance of H4/H9: hardened 0.5.23 must return prefill's 400 at once")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="acceptance of H4/H9: hardened 0.5.23 must return prefill's 400 at once")
 def test_hardened_0523_oversized_prompt_error_reaches_client_at_once(start_cluster):
     cluster = start_cluster(sandbox_env("0.5.23", hardened=True), **TIMEOUT_PARAMS)
     obs = observe_oversized_via_lb(cluster)

@@ -1,0 +1,135 @@
+"""Build hardened wheels: pinned upstream wheel → apply series → stamp → repack.
+
+All outputs of one call appear together or not at all: they are built in a
+staging directory inside the output directory and moved in at the end.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from . import __version__, unidiff
+from .errors import HardenedError
+from .fetch import fetch_wheel
+from .lock import UpstreamPin, get_pin
+from .manifest import build_manifest, write_manifest
+from .paths import patches_dir
+from .sbom import write_sbom
+from .series import Series, load_series
+from .stamp import hardened_version, stamp_metadata, stamp_version_module
+from .wheelfile import ZIP_EPOCH_MIN, WheelTree, unpacked
+
+Progress = Callable[[str], None]
+TOOL_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    base: str
+    version: str
+    wheel: Path
+    manifest: dict
+
+
+def source_date_epoch(series: Series) -> int:
+    """SOURCE_DATE_EPOCH if set, else the series' newest Last-Update (midnight UTC)."""
+    if env := os.environ.get("SOURCE_DATE_EPOCH"):
+        return int(env)
+    day = series.last_update
+    return int(dt.datetime(day.year, day.month, day.day, tzinfo=dt.UTC).timestamp())
+
+
+def apply_series(tree: WheelTree, series: Series, on_patch: Progress | None = None) -> None:
+    """Apply each patch in order; a hunk that does not fit stops with patch and hunk named."""
+    for patch in series.patches:
+        try:
+            results = unidiff.apply(tree.root, patch.diff)
+        except HardenedError as exc:
+            raise HardenedError(f"base {series.base}: patch {patch.name}: {exc}") from exc
+        stale = [r.file for r in results if r.already_applied]
+        if stale:
+            raise HardenedError(
+                f"base {series.base}: patch {patch.name}: already applied in {', '.join(stale)} "
+                "(upstream has it: drop it from the series)"
+            )
+        if on_patch:
+            on_patch(patch.name)
+
+
+def _check_writable(out_dir: Path) -> None:
+    """Fail before any work if the output directory cannot take files (root ignores modes)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise HardenedError(f"output directory {out_dir} is not writable: {exc.strerror or exc}") from exc
+
+
+def build_one(pin: UpstreamPin, series: Series, upstream: Path, dest_dir: Path,
+              progress: Progress) -> BuildResult:
+    """Build one base's hardened wheel into `dest_dir`."""
+    version = hardened_version(series.base, series.revision)
+    epoch = source_date_epoch(series)
+    manifest = build_manifest(pin, series, version)
+    with unpacked(upstream, workdir=dest_dir) as tree:
+        progress(f"{series.base}: unpacked {upstream.name}")
+        apply_series(tree, series, lambda name: progress(f"{series.base}: applied {name}"))
+        stamp_version_module(tree, series.base, version)
+        stamp_metadata(tree, series.base, version, __version__)
+        write_manifest(tree, manifest)
+        write_sbom(tree, manifest, epoch)
+        wheel = dest_dir / upstream.name.replace(f"sglang-{series.base}-", f"sglang-{version}-", 1)
+        tree.pack(wheel, epoch)
+    progress(f"{series.base}: wrote {wheel.name}")
+    return BuildResult(series.base, version, wheel, manifest)
+
+
+def build_tool_wheel(dest_dir: Path) -> Path:
+    """The sglang-hardened wheel itself, so the hardened sglang's dependency resolves.
+
+    Its timestamp does not depend on which bases were built in the same call.
+    """
+    epoch = int(os.environ.get("SOURCE_DATE_EPOCH", ZIP_EPOCH_MIN))
+    if not (TOOL_ROOT / "pyproject.toml").is_file():
+        raise HardenedError(f"no sglang-hardened source tree at {TOOL_ROOT}: build from a checkout")
+    with tempfile.TemporaryDirectory(dir=dest_dir, prefix=".tool-") as tmp:
+        env = dict(os.environ, SOURCE_DATE_EPOCH=str(epoch))
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check",
+               "-q", "-w", tmp, str(TOOL_ROOT)]
+        run = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wheels = list(Path(tmp).glob("sglang_hardened-*.whl"))
+        if run.returncode != 0 or len(wheels) != 1:
+            raise HardenedError(f"building the sglang-hardened wheel failed:\n{run.stdout[-2000:]}")
+        target = dest_dir / wheels[0].name
+        os.replace(wheels[0], target)
+    return target
+
+
+def build(bases: list[str], out_dir: Path, *, patches: Path | None = None,
+          progress: Progress = lambda msg: None) -> tuple[list[BuildResult], Path]:
+    """Build every base in `bases` plus the tool wheel into `out_dir`, all or nothing."""
+    patches = patches or patches_dir()
+    plan = [(get_pin(patches, base), load_series(patches, base)) for base in bases]
+    _check_writable(out_dir)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".staging-") as tmp:
+        staging = Path(tmp)
+        results = []
+        for pin, series in plan:
+            upstream = fetch_wheel(pin, quiet=False)
+            results.append(build_one(pin, series, upstream, staging, progress))
+        tool = build_tool_wheel(staging)
+        progress(f"tool: wrote {tool.name}")
+        final = [replace(r, wheel=out_dir / r.wheel.name) for r in results]
+        for staged, result in zip(results, final):
+            os.replace(staged.wheel, result.wheel)
+        tool_final = out_dir / tool.name
+        os.replace(tool, tool_final)
+    return final, tool_final

@@ -1,0 +1,59 @@
+"""H0: a hardened server says what it carries (start-up log line, server-info field).
+
+Reads the manifest the build wrote into sglang's dist-info, through
+importlib.metadata, so it works for any install layout and costs one file
+read per process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import lru_cache
+from importlib import metadata
+
+MANIFEST_NAME = "hardened-manifest.json"
+
+log = logging.getLogger("sglang_hardened")
+
+
+@lru_cache(maxsize=1)
+def manifest() -> dict | None:
+    """The installed sglang's hardening manifest, or None for an upstream sglang."""
+    try:
+        text = metadata.distribution("sglang").read_text(MANIFEST_NAME)
+    except metadata.PackageNotFoundError:
+        return None
+    return json.loads(text) if text else None
+
+
+def server_info() -> dict:
+    """The `hardening` field of /server_info: enough for preflight to judge a node."""
+    found = manifest()
+    if found is None:
+        return {"hardened": False}
+    return {
+        "hardened": True,
+        "version": found["version"],
+        "base": found["base"],
+        "hardening_ids": found["hardening_ids"],
+        "patches": [p["name"] for p in found["patches"]],
+        "tool_version": found["tool"]["version"],
+    }
+
+
+def startup_line() -> str:
+    """One line an operator can grep for in a server's start-up log."""
+    info = server_info()
+    if not info["hardened"]:
+        return "sglang-hardened: runtime layer present, but the installed sglang is not a hardened build"
+    count = len(info["patches"])
+    return (
+        f"sglang-hardened: sglang {info['version']} carries {' '.join(info['hardening_ids'])} "
+        f"({count} patch{'es' if count != 1 else ''}, tool {info['tool_version']})"
+    )
+
+
+def log_startup() -> None:
+    """Seam called once by the HTTP server at launch."""
+    log.info(startup_line())

@@ -1,0 +1,42 @@
+"""`sandbox up|status|down` as a user runs it: detached cluster, JSON status, clean stop."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from sglang_hardened.sandbox.cluster import marked_pids, port_in_use
+from sglang_hardened.sandbox.oracle import generate
+from tests.conftest import REPO, phase
+
+pytestmark = pytest.mark.e2e
+CLI = [sys.executable, "-c", "from sglang_hardened.sandbox.cli import sandbox; sandbox()"]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args, "--name", "pytest"], capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+def test_sandbox_up_status_down():
+    with phase("sandbox cli up 0.5.23"):
+        up = cli("up", "--base", "0.5.23", "--prefill-pool-tokens", "300", "--page-size", "4",
+                 "--waiting-timeout", "30")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        info = json.loads(cli("status", "--json").stdout)
+        assert info["running"] and info["params"]["prefill_pool_tokens"] == 300
+        assert info["params"]["page_size"] == 4 and info["params"]["waiting_timeout_s"] == 30
+        assert set(info["urls"]) == {"prefill", "decode", "lb"}
+        assert generate(info["urls"]["lb"], "the key", max_new_tokens=2).status == 200
+        with urllib.request.urlopen(f"{info['urls']['prefill']}/health", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        down = cli("down")
+    assert down.returncode == 0, down.stderr
+    assert not marked_pids(info["run_id"])
+    assert not [p["port"] for p in info["procs"].values() if port_in_use(p["port"])]
+    assert "not up" in cli("status").stdout

@@ -1,0 +1,106 @@
+"""The build pipeline on the real pinned upstream wheels, every base."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+from cyclonedx.schema import SchemaVersion
+from cyclonedx.validation.json import JsonStrictValidator
+
+from sglang_hardened.build import build
+from sglang_hardened.hashing import sha256_file
+from sglang_hardened.lock import load_lock
+from sglang_hardened.series import load_series
+
+SEAM_CALLS = ("hardened_identity.server_info()", "hardened_identity.log_startup()")
+HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
+
+# Read inside the venv without importing sglang's package __init__ (it needs
+# torch and the CUDA stack; the e2e harness checks `sglang.__version__` there).
+PROBE = """
+import importlib.metadata as md, importlib.util, json, pathlib, py_compile
+from sglang_hardened.runtime import identity
+pkg = pathlib.Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+spec = importlib.util.spec_from_file_location("v", pkg / "_version.py")
+mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+py_compile.compile(str(pkg / "srt/entrypoints/http_server.py"), doraise=True)
+print(json.dumps({
+    "dist_version": md.version("sglang"),
+    "module_version": mod.__version__,
+    "http_server": (pkg / "srt/entrypoints/http_server.py").read_text(),
+    "startup_line": identity.startup_line(),
+    "server_info": identity.server_info(),
+    "sbom": md.distribution("sglang").read_text("sboms/sglang-hardened.cdx.json"),
+}))
+"""
+
+
+@pytest.mark.parametrize("base", list(load_lock(Path(__file__).parent.parent / "patches")))
+def test_hardened_wheel_installs_and_says_what_it_carries(base, built, patches, tmp_path, make_venv):
+    results, tool = built
+    result = results[base]
+    series = load_series(patches, base)
+    pin = load_lock(patches)[base]
+    python = make_venv(tmp_path / "venv", result.wheel, tool)
+
+    probe = json.loads(subprocess.run([str(python), "-c", PROBE], check=True,
+                                      capture_output=True, text=True).stdout)
+    version = f"{base}+hardened.{series.revision}"
+    assert probe["dist_version"] == version
+    assert probe["module_version"] == version
+    for call in SEAM_CALLS:
+        assert call in probe["http_server"]
+    assert probe["server_info"]["hardening_ids"] == series.hardening_ids
+    assert "H0" in probe["startup_line"] and version in probe["startup_line"]
+
+    info = subprocess.run([str(python.parent / "sglang-hardened"), "info", "--json"],
+                          check=True, capture_output=True, text=True)
+    manifest = json.loads(info.stdout)
+    assert manifest["upstream"] == {"file": pin.file, "sha256": pin.sha256}
+    assert "H0" in manifest["hardening_ids"]
+    assert [(p["name"], p["sha256"], p["hardening_id"]) for p in manifest["patches"]] == [
+        (p.name, sha256_file(p.path), p.hardening_id) for p in series.patches
+    ]
+
+    errors = JsonStrictValidator(SchemaVersion.V1_6).validate_str(probe["sbom"])
+    assert errors is None, errors
+    sbom = json.loads(probe["sbom"])
+    ancestor = sbom["metadata"]["component"]["pedigree"]["ancestors"][0]
+    assert ancestor["hashes"] == [{"alg": "SHA-256", "content": pin.sha256}]
+    assert {c["name"] for c in sbom["components"]} == {p.name for p in series.patches}
+
+
+def test_wheel_metadata_requires_the_runtime_layer_and_drops_nothing(built, patches):
+    results, _ = built
+    result = results["0.5.23"]
+    pin = load_lock(patches)["0.5.23"]
+    from sglang_hardened.fetch import cached_path
+
+    with zipfile.ZipFile(result.wheel) as hardened, zipfile.ZipFile(cached_path(pin)) as upstream:
+        dist = f"sglang-{result.version}.dist-info/"
+        metadata = hardened.read(dist + "METADATA").decode()
+        assert f"Version: {result.version}\n" in metadata
+        assert "Requires-Dist: sglang-hardened==" in metadata
+        upstream_payload = {n for n in upstream.namelist() if ".dist-info/" not in n and not n.endswith("/")}
+        hardened_payload = {n for n in hardened.namelist() if ".dist-info/" not in n}
+        assert upstream_payload == hardened_payload
+        assert hardened.namelist()[-1] == dist + "RECORD"
+        assert hardened.testzip() is None
+
+
+def test_two_builds_are_byte_identical(built, tmp_path):
+    results, tool = built
+    again, tool_again = build(["0.5.19"], tmp_path / "again")
+    assert sha256_file(again[0].wheel) == sha256_file(results["0.5.19"].wheel)
+    assert sha256_file(tool_again) == sha256_file(tool)
+
+
+def test_verify_all_passes_on_the_shipped_series(run_cli):
+    done = run_cli("verify", "--all")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("0.5.")]
+    assert len(rows) >= 5 and all(" ok" in row for row in rows)

@@ -1,0 +1,17 @@
+"""The README's table of bases follows the lock file and the series (one source of truth)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from sglang_hardened.lock import load_lock
+from sglang_hardened.series import load_series
+from sglang_hardened.stamp import hardened_version
+
+
+def test_readme_bases_table_matches_lock_and_series(patches):
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+\.\d+\.\d+\S*) \| (\S+) \|", readme, re.M)
+    expected = [(b, hardened_version(b, load_series(patches, b).revision)) for b in load_lock(patches)]
+    assert rows == expected
