@@ -72,9 +72,11 @@ class Overlay:
     def edits(self) -> list[dict[str, str]]:
         return tomllib.loads((self.root / "edits.toml").read_text())["edit"]
 
-    def digest(self) -> str:
-        """Hash of the edits (``site/`` is used in place, so it needs no rebuild)."""
-        return _key((self.root / "edits.toml").read_bytes())
+    def digest(self, of_sglang: bool) -> str:
+        """Hash of the edits to SGLang's files, or to its dependencies' (``site/`` is used
+        in place): a new SGLang edit must not rebuild the 3 GB shared venv."""
+        return _key(*(json.dumps(e, sort_keys=True) for e in self.edits()
+                      if e["file"].startswith("sglang/") == of_sglang))
 
     def apply(self, site: Path) -> list[str]:
         """Apply the edits whose file lives under ``site``; return what was applied."""
@@ -159,7 +161,7 @@ def _pip(python: str, *args: str) -> list[str]:
 
 def _common(overlay: Overlay, log: Path) -> Path:
     pins = PINS / "common.txt"
-    key = _key(pins.read_bytes(), overlay.digest(), PYTHON_VERSION)
+    key = _key(pins.read_bytes(), overlay.digest(of_sglang=False), PYTHON_VERSION)
     dest = cache_dir() / "envs" / f"common-{key}"
 
     def build(d: Path) -> dict:
@@ -217,11 +219,13 @@ def build_env(base: str, wheels: list[Path], overlay: Path) -> SandboxEnv:
     log = logs / f"build-{base}.log"
     common = _common(ov, log)
     python = common / "bin" / "python"
-    pins = PINS / f"{base}.txt"
-    layer = _target(python, f"layer-{base}", _key(pins.read_bytes(), ov.digest()), ["-r", str(pins)], ov, log)
-    wheel_key = _key(*(sha256_file(w) for w in wheels), ov.digest())
+    layers = []
+    for name in (base, "nixl"):  # the base's own pins, then the NIXL backend (shared)
+        pins = PINS / f"{name}.txt"
+        layers.append(_target(python, f"layer-{name}", _key(pins.read_bytes(), ov.digest(of_sglang=False)), ["-r", str(pins)], ov, log))
+    wheel_key = _key(*(sha256_file(w) for w in wheels), ov.digest(of_sglang=True))
     sglang = _target(python, "sglang", wheel_key, [str(w) for w in wheels], ov, log)
-    return SandboxEnv(base=base, python=python, path=(ov.site, sglang, layer))
+    return SandboxEnv(base=base, python=python, path=(ov.site, sglang, *layers))
 
 
 def default_overlay() -> Path:

@@ -25,9 +25,10 @@ def test_upstream_0519_oversized_prompt_gets_200_and_reads_other_tenants_kv(star
     assert b.leaked
 
 
-def test_upstream_0523_oversized_prompt_400_at_prefill_but_lb_client_waits_for_decode_timeout(start_cluster):
-    cluster = start_cluster(sandbox_env("0.5.23"), **TIMEOUT_PARAMS)
-    with phase("scenario timeout 0.5.23 upstream"):
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_upstream_0523_oversized_prompt_400_at_prefill_but_lb_client_waits_for_decode_timeout(start_cluster, backend):
+    cluster = start_cluster(sandbox_env("0.5.23"), backend=backend, **TIMEOUT_PARAMS)
+    with phase(f"scenario timeout 0.5.23 upstream {backend}"):
         obs = observe_oversized_via_lb(cluster)
     print(f"prefill: {obs.at_prefill.status} in {obs.at_prefill.seconds:.1f}s; "
           f"via mini-lb: {obs.via_lb.status} in {obs.via_lb.seconds:.1f}s")
