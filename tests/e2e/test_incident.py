@@ -12,9 +12,10 @@ from .scenarios import LEAK_PARAMS, TIMEOUT_PARAMS, observe_leak, observe_oversi
 pytestmark = pytest.mark.e2e
 
 
-def test_upstream_0519_oversized_prompt_gets_200_and_reads_other_tenants_kv(start_cluster):
-    cluster = start_cluster(sandbox_env("0.5.19"), **LEAK_PARAMS)
-    with phase("scenario leak 0.5.19 upstream"):
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_upstream_0519_oversized_prompt_gets_200_and_reads_other_tenants_kv(start_cluster, backend):
+    cluster = start_cluster(sandbox_env("0.5.19"), backend=backend, **LEAK_PARAMS)
+    with phase(f"scenario leak 0.5.19 upstream {backend}"):
         obs = observe_leak(cluster)
     b = obs.oversized
     print({label: b.outputs(label) for label in b.replies})
