@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from .oracle import Reply, generate
 
 MARKER = "SGLANG_HARDENED_SANDBOX"
 
-# Flags that only differ by base: CUDA graphs off (names changed in 0.5.20+).
+# CUDA graphs off: 0.5.19 and 0.5.23 name the flags differently.
 CUDA_GRAPHS_OFF = {
     "0.5.19": ["--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"],
     "0.5.23": ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"],
@@ -58,6 +60,8 @@ class ClusterParams:
 
 @dataclass
 class Proc:
+    """One child process: its pid (also its process group), log file, URL and port."""
+
     name: str
     pid: int
     log: str
@@ -67,7 +71,7 @@ class Proc:
 
 @dataclass
 class Cluster:
-    """A started cluster; ``stop()`` (or the context manager) tears it all down."""
+    """A started cluster; ``stop()`` tears it all down."""
 
     params: ClusterParams
     run_id: str
@@ -133,12 +137,6 @@ class Cluster:
     def held_ports(self) -> list[int]:
         ports = [p.port for p in self.procs.values()] + [self.bootstrap_port]
         return [port for port in ports if port and port_in_use(port)]
-
-    def __enter__(self) -> Cluster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -263,8 +261,6 @@ def _alive(pid: int) -> bool:
 
 def _healthy(url: str) -> bool:
     try:
-        import urllib.request
-
         with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
             return r.status == 200
     except OSError:
@@ -317,7 +313,7 @@ def _serves(url: str) -> bool:
         return False
 
 
-def _wait(cluster: Cluster, names: list[str], deadline: float, ready) -> None:
+def _wait(cluster: Cluster, names: list[str], deadline: float, ready: Callable[[str], bool]) -> None:
     pending = list(names)
     while pending:
         for name in list(pending):
