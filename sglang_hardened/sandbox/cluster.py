@@ -243,8 +243,9 @@ def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str) -> dict[str, str]
 def _spawn(name: str, cmd: list[str], env: dict[str, str], run_dir: Path) -> tuple[int, str]:
     log = run_dir / f"{name}.log"
     with log.open("w") as out:
+        # cwd: ``python -m`` puts it first on sys.path, so the caller's could shadow sglang
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True, cwd=run_dir)
     return proc.pid, str(log)
 
 

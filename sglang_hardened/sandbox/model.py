@@ -83,12 +83,13 @@ def ensure_model(env: SandboxEnv) -> Path:
     dest = cache_dir() / "models" / f"tiny-llama-{env.base}-{key}"
     if (dest / "sandbox-model.json").is_file():
         return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     run_env = env.environ()
     run_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), run_env["PYTHONPATH"]])
     r = subprocess.run([str(env.python), "-m", "sglang_hardened.sandbox.model", str(tmp)],
-                       env=run_env, capture_output=True, text=True)
+                       env=run_env, capture_output=True, text=True, cwd=dest.parent)  # not the caller's cwd: it may shadow
     if r.returncode:
         raise SandboxError(f"model generation failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
     shutil.rmtree(dest, ignore_errors=True)
