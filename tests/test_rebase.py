@@ -29,23 +29,14 @@ ADMISSION_CHECK = """        # Rejected at intake: `set_finish_with_abort` left 
 ADD = "    def add(self, req: Req, num_kv_heads: int) -> None:\n"
 
 
-def drop_target(tree_copy, target):
-    shutil.rmtree(tree_copy / target)
-    lock = tree_copy / "upstream.lock"
-    text = lock.read_text()
-    start = text.index(f'[base."{target}"]')
-    end = text.find("[base.", start + 1)
-    lock.write_text(text[:start] + (text[end:] if end != -1 else ""))
-
-
 # Why each verdict is the fact: 0.5.20 moved the seam's lines (offset only);
 # 0.5.21 added `"frontend"` beside the line H0 inserts before (a clean 3-way
 # merge); 0.5.22 rewrote the /server_info dict (redact_watermark_secrets), so
 # H0 needs a human there, as it got one in 0.5.22's own series.
 @pytest.mark.parametrize("target, verdict", [
     ("0.5.20", OFFSET), ("0.5.21", MERGED), ("0.5.22", CONFLICT), ("0.5.23", CONFLICT)])
-def test_h0_carried_from_0_5_19(patches, tree_copy, target, verdict, tmp_path):
-    drop_target(tree_copy, target)
+def test_h0_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdict, tmp_path):
+    drop_base(target)
     result = rebase(tree_copy, "0.5.19", target)
     assert [v.verdict for v in result.verdicts] == [verdict]
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
