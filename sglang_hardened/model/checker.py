@@ -15,6 +15,7 @@ violation too.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from collections.abc import Callable
@@ -220,9 +221,18 @@ def _liveness(g: _Graph) -> list[tuple[str, int, list[int], str]]:
     return found
 
 
-def check_scenario(scenario: Scenario, config: Config) -> ScenarioResult:
-    """Explore one scenario exhaustively and collect every broken property."""
-    g = _Graph(Machine(scenario, config.switches))
+def explore(machine: Machine) -> ScenarioResult:
+    """Explore a machine's whole state graph; collect every broken property."""
+    # The graph is millions of acyclic tuples: the cyclic garbage collector
+    # would only rescan them over and over while the search allocates.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        g = _Graph(machine)
+    finally:
+        if collecting:
+            gc.enable()
+    scenario = machine.scenario
     init = g.states[0]
     findings = [
         Finding(kind, message, scenario, g.path_to(j, g.parent), init)
@@ -232,6 +242,11 @@ def check_scenario(scenario: Scenario, config: Config) -> ScenarioResult:
         findings.append(Finding(name, why, scenario, g.path_to(stuck, parent), init))
     findings.sort(key=lambda f: _ORDER.index(f.kind))
     return ScenarioResult(scenario, len(g.states), g.edges, findings)
+
+
+def check_scenario(scenario: Scenario, config: Config) -> ScenarioResult:
+    """Check one scenario under one configuration."""
+    return explore(Machine(scenario, config.switches))
 
 
 def check(config: Config, scenarios: tuple[Scenario, ...] = SCENARIOS) -> CheckResult:
