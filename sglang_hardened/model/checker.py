@@ -73,8 +73,8 @@ class CheckResult:
 
     @property
     def kinds(self) -> list[str]:
-        """Broken properties, each once, in the order they were found."""
-        return list(dict.fromkeys(f.kind for f in self.findings))
+        """Broken properties, each once, the leak first."""
+        return sorted({f.kind for f in self.findings}, key=_ORDER.index)
 
 
 class _Graph:
