@@ -12,10 +12,17 @@ import pytest
 from click.testing import CliRunner
 
 from sglang_hardened.model import cli
-from sglang_hardened.model.checker import CheckResult
+from sglang_hardened.model.checker import CheckResult, check_scenario
 from sglang_hardened.model.checker import check as uncached_check
 from sglang_hardened.model.cli import model
-from sglang_hardened.model.configs import ALL, NAMED, SCENARIOS, Switch, parse_config
+from sglang_hardened.model.configs import (
+    ALL,
+    NAMED,
+    SCENARIOS,
+    WIDE_SCENARIOS,
+    Switch,
+    parse_config,
+)
 
 HARDENED = [n for n in NAMED if n.startswith("hardened-")]
 
@@ -86,6 +93,13 @@ def test_requests_end_and_aborts_resolve_everywhere(
 ) -> None:
     kinds = results[name].kinds
     assert "requests-end" not in kinds and "aborts-resolve" not in kinds
+
+
+def test_hardened_is_clean_with_three_tenants_on_four_pages() -> None:
+    (three,) = [sc for sc in WIDE_SCENARIOS if sc not in SCENARIOS]
+    assert len(three.requests) == 3
+    res = check_scenario(three, NAMED["hardened-0.5.23"])
+    assert res.findings == [] and res.states > 100_000
 
 
 def test_truncation_still_leaks_on_0_5_23(results: dict[str, CheckResult]) -> None:

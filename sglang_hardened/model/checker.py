@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .configs import SCENARIOS, Config
 from .machine import FAULT, LONG, Event, Machine
@@ -166,42 +167,57 @@ class _Graph:
         return reach
 
 
-def _liveness(g: _Graph) -> list[tuple[str, int, list[int], str]]:
-    """Broken liveness checks: (name, where it gets stuck, tree parents, why).
+class _Goal(NamedTuple):
+    """One liveness check: reach ``goal`` without the ``skip`` edges."""
 
-    The stuck state shown is, where one exists, a reachable dead end of the
-    progress steps (only faults or skipped timeouts remain enabled); else the
-    first state from which the goal is out of reach, inside a cycle.
-    """
-    found: list[tuple[str, int, list[int], str]] = []
-    scenario = g.machine.scenario
-    checks: list[tuple[str, Callable[[State], bool], int, str]] = [
-        (
+    name: str
+    goal: Callable[[State], bool]
+    skip: int
+    why: str
+
+
+def _goals(scenario: Scenario) -> list[_Goal]:
+    goals = [
+        _Goal(
             "requests-end",
             all_ended,
             _FAULT_BIT,
             "after this trace no fair run ends every request",
         ),
-        (
+        _Goal(
             "prompt-failure",
             all_ended,
             _FAULT_BIT | _LONG_BIT,
-            "after this trace no run ends every request without waiting out a 300 s timeout",
+            "after this trace no run ends every request without waiting out "
+            "a 300 s timeout",
         ),
     ]
     for r in range(len(scenario.requests)):
-        checks.append(
-            (
+        goals.append(
+            _Goal(
                 "aborts-resolve",
                 no_hold(r),
                 _FAULT_BIT,
-                f"after this trace decode holds r{r}'s pages for ever: no ack, no release timeout",
+                f"after this trace decode holds r{r}'s pages for ever: "
+                "no ack, no release timeout",
             )
         )
-    for name, goal, skip, why in checks:
-        if any(f[0] == name for f in found):
+    return goals
+
+
+def _liveness(g: _Graph) -> list[Finding]:
+    """One finding per broken liveness check.
+
+    The state shown is, where one exists, a reachable dead end of the
+    progress steps (only faults or skipped timeouts remain enabled); else the
+    first state from which the goal is out of reach, inside a cycle.
+    """
+    found: dict[str, Finding] = {}
+    scenario = g.machine.scenario
+    for name, goal, skip, why in _goals(scenario):
+        if name in found:
             continue
-        parent = g.parent if not skip & _LONG_BIT else g.forward(_LONG_BIT)
+        parent = g.forward(_LONG_BIT) if skip & _LONG_BIT else g.parent
         reach = g.backward(goal, skip)
         stuck = [i for i in range(len(g.states)) if parent[i] != -2 and not reach[i]]
         if not stuck:
@@ -212,19 +228,18 @@ def _liveness(g: _Graph) -> list[tuple[str, int, list[int], str]]:
             waits = [
                 f"{st.event.action} r{st.event.req}" for st in steps if st.kind == LONG
             ]
-            detail = "; a dead end: only faults" + (
-                f" and {', '.join(waits)}" if waits else ""
-            )
-            found.append((name, dead[0], parent, why + detail + " remain enabled"))
+            also = f" and {', '.join(waits)}" if waits else ""
+            at, why = dead[0], f"{why}; a dead end: only faults{also} remain enabled"
         else:
-            found.append((name, stuck[0], parent, why + "; progress steps only cycle"))
-    return found
+            at, why = stuck[0], f"{why}; progress steps only cycle"
+        found[name] = Finding(name, why, scenario, g.path_to(at, parent), g.states[0])
+    return list(found.values())
 
 
 def explore(machine: Machine) -> ScenarioResult:
     """Explore a machine's whole state graph; collect every broken property."""
-    # The graph is millions of acyclic tuples: the cyclic garbage collector
-    # would only rescan them over and over while the search allocates.
+    # The graph is many acyclic tuples: the cyclic garbage collector would
+    # only rescan them over and over while the search allocates.
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -238,8 +253,7 @@ def explore(machine: Machine) -> ScenarioResult:
         Finding(kind, message, scenario, g.path_to(j, g.parent), init)
         for kind, (j, message) in g.first.items()
     ]
-    for name, stuck, parent, why in _liveness(g):
-        findings.append(Finding(name, why, scenario, g.path_to(stuck, parent), init))
+    findings += _liveness(g)
     findings.sort(key=lambda f: _ORDER.index(f.kind))
     return ScenarioResult(scenario, len(g.states), g.edges, findings)
 

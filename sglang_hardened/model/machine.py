@@ -75,18 +75,13 @@ class Machine:
     def __init__(self, scenario: Scenario, switches: frozenset[Switch]) -> None:
         self.scenario = scenario
         self.specs = scenario.requests
-        self.h1, self.h2, self.h3, self.h4, self.h5, self.h6, self.h8 = (
-            sw in switches
-            for sw in (
-                Switch.H1,
-                Switch.H2,
-                Switch.H3,
-                Switch.H4,
-                Switch.H5,
-                Switch.H6,
-                Switch.H8,
-            )
-        )
+        self.h1 = Switch.H1 in switches
+        self.h2 = Switch.H2 in switches
+        self.h3 = Switch.H3 in switches
+        self.h4 = Switch.H4 in switches
+        self.h5 = Switch.H5 in switches
+        self.h6 = Switch.H6 in switches
+        self.h8 = Switch.H8 in switches
 
     # -- shared effects -------------------------------------------------
 
@@ -97,11 +92,12 @@ class Machine:
             q = q._replace(status=ST_FAILED)
         return _with(s, r, q)
 
-    def _release(self, s: State, r: int) -> State:
-        """Decode frees the request's pages to the back of the free list."""
+    def _release(self, s: State, r: int, phase: str = D_FAILED) -> State:
+        """Decode ends the request and frees its pages to the back of the
+        free list."""
         q = s.reqs[r]
         s = s._replace(free=s.free + q.alloc)
-        return _with(s, r, q._replace(d=D_FAILED, alloc=(), d_abort=False))
+        return _with(s, r, q._replace(d=phase, alloc=(), d_abort=False))
 
     def _decode_fails(self, s: State, r: int) -> State:
         """Decode aborts a request that holds pages.
@@ -262,12 +258,7 @@ class Machine:
                     Event("decode_waiting_timeout", r), self._decode_fails(s, r), LONG
                 )
         elif q.d == D_RUN:
-            q2 = q._replace(d=D_OK, alloc=())
-            yield Step(
-                Event("decode_finish", r),
-                _with(s._replace(free=s.free + q.alloc), r, q2),
-                NORMAL,
-            )
+            yield Step(Event("decode_finish", r), self._release(s, r, D_OK), NORMAL)
 
     def _commit(self, s: State, r: int) -> State:
         """_commit_transfer_to_req: upstream checks only bootstrap_room;
