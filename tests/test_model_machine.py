@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sglang_hardened.model.checker import explore
 from sglang_hardened.model.configs import ALL, SCENARIOS, Switch
 from sglang_hardened.model.machine import Event, Machine
 from sglang_hardened.model.properties import pending_writes, safety_violations
@@ -122,3 +123,35 @@ def test_h1_rejects_and_h4_tells_decode() -> None:
     m = Machine(OVER_POOL, frozenset({Switch.H1, Switch.H4}))
     s = _step(m, initial_state(OVER_POOL), "prefill_reject", 1)
     assert s.reqs[1].status == "failed"
+
+
+def test_decode_crash_keeps_page_contents_and_later_arrivals() -> None:
+    m = Machine(ABORT_REUSE, ALL)
+    s = initial_state(ABORT_REUSE)
+    for action in (
+        "prefill_admit",
+        "decode_admit",
+        "decode_alloc",
+        "prefill_bootstrap",
+    ):
+        s = _step(m, s, action, 0)
+    s = _step(m, _step(m, s, "batch_start", 0), "batch_land", 0)
+    crashed = _step(m, s, "decode_crash")
+    assert crashed.free == (0, 1, 2, 3) and crashed.pages[0] == 0
+    assert crashed.batch is None and crashed.crashed
+    assert (crashed.reqs[0].d, crashed.reqs[0].p) == ("lost", "failed")
+    assert crashed.reqs[1] == s.reqs[1]  # r1 reaches the restarted decode later
+
+
+class _CrashKeepsWriting(Machine):
+    """A wrong decode crash: the batch into the dead process keeps going."""
+
+    def _decode_crash(self, s: State) -> State:
+        return super()._decode_crash(s)._replace(batch=s.batch)
+
+
+def test_a_write_that_outlives_a_decode_crash_is_caught() -> None:
+    res = explore(_CrashKeepsWriting(ABORT_REUSE, ALL))
+    (finding,) = res.findings
+    assert finding.kind == "reuse-under-write"
+    assert any(e.action == "decode_crash" for e, _ in finding.trace)

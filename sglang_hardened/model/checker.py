@@ -88,6 +88,7 @@ class _Graph:
         self.parent: list[int] = [-1]
         self.succ: list[list[int]] = []  # target * 4 + kind bits
         self.first: dict[str, tuple[int, str]] = {}
+        self._reverse: dict[int, list[list[int]]] = {}  # per skip mask, built once
         index = {init: 0}
         states, parent, succ = self.states, self.parent, self.succ
         i = 0
@@ -150,11 +151,13 @@ class _Graph:
     def backward(self, goal: Callable[[State], bool], skip: int) -> bytearray:
         """States from which a goal state is reachable along edges without
         ``skip`` bits."""
-        rev: list[list[int]] = [[] for _ in self.states]
-        for i, out in enumerate(self.succ):
-            for e in out:
-                if not e & skip:
-                    rev[e >> 2].append(i)
+        rev = self._reverse.get(skip)
+        if rev is None:
+            rev = self._reverse[skip] = [[] for _ in self.states]
+            for i, out in enumerate(self.succ):
+                for e in out:
+                    if not e & skip:
+                        rev[e >> 2].append(i)
         reach = bytearray(len(self.states))
         todo = deque(i for i, s in enumerate(self.states) if goal(s))
         for i in todo:

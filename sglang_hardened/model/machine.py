@@ -284,27 +284,29 @@ class Machine:
         yield Step(Event("decode_crash"), self._decode_crash(spent), FAULT)
 
     def _prefill_crash(self, s: State) -> State:
-        """Prefill dies: its requests are lost, its batch stops, and decode's
-        heartbeat fails every receiver still waiting on it."""
+        """Prefill dies and restarts: the requests it had taken in are lost,
+        its batch stops, and decode's heartbeat fails their receivers.
+        Requests that had not reached it yet arrive at the new process."""
         reqs = []
         for q in s.reqs:
-            if q.p not in P_DONE:
+            if q.p not in P_DONE and q.p != P_NEW:
                 q = q._replace(p=P_LOST, p_abort=False)
-            if q.d not in D_DONE and q.status == ST_NONE:
-                q = q._replace(status=ST_FAILED)
+                if q.d not in D_DONE and q.status == ST_NONE:
+                    q = q._replace(status=ST_FAILED)
             reqs.append(q)
         return s._replace(reqs=tuple(reqs), batch=None, crashed=True)
 
     def _decode_crash(self, s: State) -> State:
-        """Decode dies and restarts: its requests are lost, its free list is
-        fresh but page contents survive; prefill's heartbeat fails every
-        request bound for it and writes to the dead peer stop."""
+        """Decode dies and restarts with a fresh free list, page contents
+        surviving: the requests it had taken in are lost, writes to the dead
+        peer stop, and prefill's heartbeat fails their prefill halves.
+        Requests that had not reached it yet arrive at the new process."""
         reqs = []
         for q in s.reqs:
-            if q.d not in D_DONE:
+            if q.d not in D_DONE and q.d != D_NEW:
                 q = q._replace(d=D_LOST, alloc=(), d_abort=False)
-            if q.p not in P_DONE:
-                q = q._replace(p=P_FAILED, p_abort=False)
+                if q.p not in P_DONE:
+                    q = q._replace(p=P_FAILED, p_abort=False)
             reqs.append(q)
         n = self.scenario.pool_pages
         return s._replace(
