@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from sglang_hardened.model.checker import explore
 from sglang_hardened.model.configs import ALL, SCENARIOS, Switch
 from sglang_hardened.model.machine import Event, Machine
 from sglang_hardened.model.properties import pending_writes, safety_violations
@@ -141,17 +140,3 @@ def test_decode_crash_keeps_page_contents_and_later_arrivals() -> None:
     assert crashed.batch is None and crashed.crashed
     assert (crashed.reqs[0].d, crashed.reqs[0].p) == ("lost", "failed")
     assert crashed.reqs[1] == s.reqs[1]  # r1 reaches the restarted decode later
-
-
-class _CrashKeepsWriting(Machine):
-    """A wrong decode crash: the batch into the dead process keeps going."""
-
-    def _decode_crash(self, s: State) -> State:
-        return super()._decode_crash(s)._replace(batch=s.batch)
-
-
-def test_a_write_that_outlives_a_decode_crash_is_caught() -> None:
-    res = explore(_CrashKeepsWriting(ABORT_REUSE, ALL))
-    (finding,) = res.findings
-    assert finding.kind == "reuse-under-write"
-    assert any(e.action == "decode_crash" for e, _ in finding.trace)
