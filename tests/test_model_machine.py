@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
 from sglang_hardened.model.configs import ALL, SCENARIOS, Switch
-from sglang_hardened.model.machine import Event, Machine
+from sglang_hardened.model.machine import ACTIONS, Event, Machine, Step
 from sglang_hardened.model.properties import pending_writes, safety_violations
+from sglang_hardened.model.report import describe
 from sglang_hardened.model.state import (
     D_HELD,
     D_WAIT,
@@ -140,3 +146,32 @@ def test_decode_crash_keeps_page_contents_and_later_arrivals() -> None:
     assert crashed.batch is None and crashed.crashed
     assert (crashed.reqs[0].d, crashed.reqs[0].p) == ("lost", "failed")
     assert crashed.reqs[1] == s.reqs[1]  # r1 reaches the restarted decode later
+
+
+def _edges(m: Machine, limit: int) -> Iterator[tuple[State, Step]]:
+    """Breadth-first edges of a machine, up to ``limit`` states."""
+    seen = {initial_state(m.scenario)}
+    todo = deque(seen)
+    while todo:
+        s = todo.popleft()
+        for st in m.successors(s):
+            yield s, st
+            if st.target not in seen and len(seen) < limit:
+                seen.add(st.target)
+                todo.append(st.target)
+
+
+def test_every_action_is_reachable_described_and_documented() -> None:
+    doc = (Path(__file__).parents[1] / "docs" / "model.md").read_text()
+    seen: set[str] = set()
+    for sc in SCENARIOS:
+        for switches in (ALL, frozenset(), frozenset({Switch.H2})):
+            m = Machine(sc, switches)
+            for s, st in _edges(m, 20_000):
+                assert st.event.action in ACTIONS
+                seen.add(st.event.action)
+                assert describe(sc, st.event, s, st.target)
+    assert seen == set(ACTIONS)
+    documented = set(re.findall(r"^\| `([a-z_]+)`", doc, re.M))
+    documented |= {a for a in ACTIONS if f"`{a}`" in doc}
+    assert set(ACTIONS) <= documented

@@ -43,6 +43,33 @@ from .state import (
     State,
 )
 
+#: Every action the machine can take; docs/model.md maps each to code.
+ACTIONS = (
+    "prefill_admit",
+    "prefill_reject",
+    "prefill_bootstrap",
+    "prefill_retire",
+    "prefill_bootstrap_timeout",
+    "prefill_abort",
+    "batch_start",
+    "batch_land",
+    "batch_return",
+    "batch_fail",
+    "decode_admit",
+    "decode_alloc",
+    "decode_commit",
+    "decode_fail",
+    "decode_drop",
+    "decode_waiting_timeout",
+    "decode_finish",
+    "decode_abort",
+    "abort_ack",
+    "release_timeout",
+    "client_disconnect",
+    "prefill_crash",
+    "decode_crash",
+)
+
 
 class Event(NamedTuple):
     """An action and the request it acts on (-1 for node-wide actions)."""

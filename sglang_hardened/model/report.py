@@ -49,10 +49,13 @@ def describe(sc: Scenario, event: Event, before: State, after: State) -> str:
     a = event.action
     if r < 0:
         if a == "prefill_crash":
-            return "prefill crashes: its requests are lost; decode's heartbeat fails receivers waiting on it"
+            return (
+                "prefill crashes and restarts: the requests it had taken in are lost; "
+                "decode's heartbeat fails their receivers"
+            )
         return (
-            "decode crashes and restarts: its requests are lost, its free list is fresh, "
-            "page contents survive; prefill's heartbeat fails requests bound for it"
+            "decode crashes and restarts: the requests it had taken in are lost, its free "
+            "list is fresh, page contents survive; prefill's heartbeat fails their senders"
         )
     who = _who(sc, r)
     q0, q = before.reqs[r], after.reqs[r]
