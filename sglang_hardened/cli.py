@@ -250,3 +250,13 @@ def upstream_check() -> None:
 
     newer = newer_releases(patches_dir())
     click.echo("\n".join(newer) if newer else "no release newer than the newest supported base")
+
+
+def _register_subgroups() -> None:
+    """Command groups that live beside the code they drive."""
+    from .model.cli import model
+
+    main.add_command(model)
+
+
+_register_subgroups()
