@@ -41,11 +41,12 @@ def sandbox() -> None:
 @click.option("--chunked-prefill-size", type=int, default=None)
 @click.option("--waiting-timeout", type=int, default=300, show_default=True, help="Decode's PD waiting timeout, s.")
 @click.option("--extra-flag", "extra_flags", multiple=True, help="Passed to both servers (repeatable).")
+@click.option("--env", "extra_env", multiple=True, help="NAME=VALUE set for both servers (repeatable).")
 @click.option("--overlay", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="CPU stand-ins dir (default: the checkout's tests/cpu_overlay).")
 def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, page_size: int, chunked_prefill_size: int | None,
-       waiting_timeout: int, extra_flags: tuple[str, ...], overlay: Path | None) -> None:
+       waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], overlay: Path | None) -> None:
     """Build the environment if needed and start a cluster."""
     try:
         old = _load(name)
@@ -54,7 +55,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, p
         params = ClusterParams(base=base, backend=backend, prefill_pool_tokens=prefill_pool_tokens,
                                decode_pool_tokens=decode_pool_tokens, context_length=context_length,
                                page_size=page_size, chunked_prefill_size=chunked_prefill_size,
-                               waiting_timeout_s=waiting_timeout, extra_flags=extra_flags)
+                               waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env)
         params.validate()
         wheels = [wheel] if wheel else wheels_for(base, hardened=not upstream)
         env = build_env(base, wheels, overlay or default_overlay())

@@ -47,6 +47,7 @@ class ClusterParams:
     chunked_prefill_size: int | None = None
     waiting_timeout_s: int = 300
     extra_flags: tuple[str, ...] = ()
+    extra_env: tuple[str, ...] = ()  # NAME=VALUE for both servers, e.g. a hardening override
     prefill_port: int = 0
     decode_port: int = 0
     lb_port: int = 0
@@ -54,6 +55,8 @@ class ClusterParams:
     def validate(self) -> None:
         if self.base not in CUDA_GRAPHS_OFF:
             raise SandboxError(f"unknown base {self.base!r}: the cluster supports {', '.join(CUDA_GRAPHS_OFF)}")
+        if any("=" not in kv for kv in self.extra_env):
+            raise SandboxError(f"extra env entries must be NAME=VALUE: {self.extra_env}")
         if self.backend not in BACKENDS:
             raise SandboxError(f"unknown backend {self.backend!r}: choose {', '.join(BACKENDS)}")
 
@@ -112,7 +115,8 @@ class Cluster:
 
     @classmethod
     def from_json(cls, data: dict) -> Cluster:
-        params = ClusterParams(**{**data["params"], "extra_flags": tuple(data["params"]["extra_flags"])})
+        params = ClusterParams(**{**data["params"], "extra_flags": tuple(data["params"]["extra_flags"]),
+                                  "extra_env": tuple(data["params"]["extra_env"])})
         return cls(params, data["run_id"], Path(data["run_dir"]),
                    {n: Proc(**p) for n, p in data["procs"].items()}, data["bootstrap_port"], data["startup_s"])
 
@@ -237,6 +241,7 @@ def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str) -> dict[str, str]
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     })
+    e.update(kv.split("=", 1) for kv in p.extra_env)
     return e
 
 
