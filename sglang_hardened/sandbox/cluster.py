@@ -238,6 +238,7 @@ def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str) -> dict[str, str]
         "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(p.waiting_timeout_s),
         "HF_HUB_OFFLINE": "1",  # a missing model dir must fail, not try the hub
         "TRANSFORMERS_OFFLINE": "1",
+        "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS": "0",  # no CUDA: a crash need not wait 60 s
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     })
@@ -322,11 +323,11 @@ def _serves(url: str) -> bool:
 def _wait(cluster: Cluster, names: list[str], deadline: float, ready: Callable[[str], bool]) -> None:
     pending = list(names)
     while pending:
-        for name in list(pending):
-            proc = cluster.procs[name]
+        for proc in cluster.procs.values():  # every server so far, not only those awaited
             if not _alive(proc.pid):
-                raise SandboxError(f"{name} exited during start-up\n{cluster.log_tails()}")
-            if ready(proc.url):
+                raise SandboxError(f"{proc.name} exited during start-up\n{cluster.log_tails()}")
+        for name in list(pending):
+            if ready(cluster.procs[name].url):
                 pending.remove(name)
         if pending and time.monotonic() > deadline:
             raise SandboxError(f"{', '.join(pending)} not ready before the deadline\n{cluster.log_tails()}")
