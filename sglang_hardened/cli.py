@@ -10,6 +10,7 @@ import click
 
 from . import __version__
 from .errors import HardenedError
+from .image_command import image
 from .lock import get_pin, load_lock
 from .paths import patches_dir
 from .table import format_table
@@ -135,3 +136,6 @@ def info(as_json: bool) -> None:
     click.echo(format_table(("patch", "id", "sha256", "summary"),
                             [(p["name"], p["hardening_id"], p["sha256"][:16] + "…", p["summary"])
                              for p in found["patches"]]))
+
+
+main.add_command(image)
