@@ -78,7 +78,7 @@ def build_command(engine: str, context: Path, tag: str, args: dict[str, str]) ->
     return [*tool, "--quiet", "-f", str(DOCKERFILE), "-t", tag, *flags, str(context)]
 
 
-def _tool_wheel_is_current(wheel: Path) -> bool:
+def tool_wheel_is_current(wheel: Path) -> bool:
     """Does the wheel hold exactly this checkout's package files (same version, same code)?"""
     package = TOOL_ROOT / "sglang_hardened"
     source = {
@@ -106,7 +106,7 @@ def ensure_wheels(base: str, out_dir: Path, progress: Progress) -> tuple[Path, P
     tools = sorted(out_dir.glob(f"sglang_hardened-{__version__}-*.whl"))
     if (len(found) == 1 and len(tools) == 1
             and wheel_manifest(found[0]) == build_manifest(pin, series, version)
-            and _tool_wheel_is_current(tools[0])):
+            and tool_wheel_is_current(tools[0])):
         progress(f"{base}: using {found[0].name} and {tools[0].name}")
         return found[0], tools[0]
     results, tool = build([base], out_dir, patches=patches, progress=progress)

@@ -15,7 +15,6 @@ import http.server
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -25,15 +24,15 @@ from pathlib import Path
 import pytest
 
 from sglang_hardened import __version__
-from sglang_hardened.build import build
-from sglang_hardened.image import DOCKERFILE, build_args, build_command, ensure_wheels, wheel_manifest
+from sglang_hardened.image import (DOCKERFILE, build_args, build_command, ensure_wheels,
+                                   tool_wheel_is_current, wheel_manifest)
 from sglang_hardened.lock import get_pin
 from sglang_hardened.series import load_series
 from sglang_hardened.stamp import hardened_version
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = "0.5.23"
-TAG = f"localhost/sglang-hardened-test:{os.getpid()}"
+TAG = "localhost/sglang-hardened-test:latest"
 ENV = {**os.environ, "BUILDAH_ISOLATION": "chroot"}
 
 
@@ -44,11 +43,9 @@ def run(*cmd: str | Path, offline: bool = False) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def wheels(tmp_path_factory) -> Path:
-    """One base's wheels, built with the network (the tool wheel's build fetches flit_core)."""
-    out = tmp_path_factory.mktemp("dist")
-    build([BASE], out)
-    return out
+def wheels(built) -> Path:
+    """The session's wheels, built with the network (the tool wheel's build fetches flit_core)."""
+    return built[1].parent
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +58,7 @@ def substitute_base() -> str:
 
 @pytest.fixture(scope="module")
 def image(wheels, substitute_base):
+    run("buildah", "rmi", TAG)  # left by a run that was killed: a rebuild would leave it dangling
     done = run(sys.executable, "-m", "sglang_hardened", "image", "--base", BASE, "--engine", "buildah",
                "--base-image", substitute_base, "--out", wheels, "--tag", TAG, offline=True)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -157,25 +155,22 @@ def test_build_args_and_command_come_from_the_wheel_manifest(wheels, patches):
     assert f"--build-arg=HARDENING_IDS={args['HARDENING_IDS']}" in docker
 
 
-def test_current_wheels_are_reused_and_stale_ones_rebuilt(wheels, tmp_path):
+def test_current_wheels_are_reused_and_a_stale_tool_wheel_is_not(wheels, tmp_path):
     wheel, tool = ensure_wheels(BASE, wheels, lambda msg: None)
     stamps = (wheel.stat().st_mtime_ns, tool.stat().st_mtime_ns)
-    again = ensure_wheels(BASE, wheels, lambda msg: None)
-    assert again == (wheel, tool)
+    assert ensure_wheels(BASE, wheels, lambda msg: None) == (wheel, tool)
     assert (wheel.stat().st_mtime_ns, tool.stat().st_mtime_ns) == stamps
+    assert tool_wheel_is_current(tool)
 
-    # A tool wheel of the same version built from other code: one RECORD digest differs.
-    stale = tmp_path / "dist"
-    stale.mkdir()
-    shutil.copy2(wheel, stale / wheel.name)
-    with zipfile.ZipFile(tool) as src, zipfile.ZipFile(stale / tool.name, "w") as dst:
+    # Same version, built from other code: one RECORD digest differs.
+    stale = tmp_path / tool.name
+    with zipfile.ZipFile(tool) as src, zipfile.ZipFile(stale, "w") as dst:
         for item in src.infolist():
             data = src.read(item)
             if item.filename.endswith(".dist-info/RECORD"):
                 data = data.replace(b"sglang_hardened/__init__.py,sha256=", b"sglang_hardened/__init__.py,sha256=x")
             dst.writestr(item, data)
-    _, rebuilt = ensure_wheels(BASE, stale, lambda msg: None)
-    assert rebuilt.read_bytes() == tool.read_bytes()
+    assert not tool_wheel_is_current(stale)
 
 
 def test_dockerfile_is_hadolint_clean():
