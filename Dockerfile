@@ -29,8 +29,8 @@ LABEL org.opencontainers.image.title="sglang-hardened" \
 
 # Offline and without dependencies: everything else sglang needs is the
 # upstream image's own (click, pyyaml and packaging for the tool included).
-# The wheels are bind-mounted, so they leave no layer behind; `info` fails
-# the build if the result is not a hardened sglang.
+# The wheels are bind-mounted (BuildKit, buildah), so no layer keeps them;
+# `info` fails the build if the result is not a hardened sglang.
 RUN --mount=type=bind,target=/wheels \
     test -n "${HARDENED_VERSION}" -a -n "${TOOL_VERSION}" \
       || { echo "pass the build args: build with scripts/build-image" >&2; exit 1; } \
