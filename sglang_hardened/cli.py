@@ -10,7 +10,6 @@ import click
 
 from . import __version__
 from .errors import HardenedError
-from .image_command import image
 from .lock import get_pin, load_lock
 from .paths import patches_dir
 from .table import format_table
@@ -138,4 +137,128 @@ def info(as_json: bool) -> None:
                              for p in found["patches"]]))
 
 
-main.add_command(image)
+@main.group()
+def policy() -> None:
+    """The hardening policy: defaults applied by `launch` and the image.
+
+    \b
+    Example:
+      sglang-hardened policy show --base 0.5.19
+    """
+
+
+@policy.command("show")
+@click.option("--base", required=True, help="Upstream release, e.g. 0.5.19.")
+def policy_show(base: str) -> None:
+    """Print the knobs that apply to a base.
+
+    \b
+    Example:
+      sglang-hardened policy show --base 0.5.23
+    """
+    from .policy import knobs_for
+
+    click.echo(format_table(("id", "knob", "value", "scope", "why"), [
+        (k.id, k.name, k.value or "on", "PD only" if k.pd_only else "all", k.why.split(";")[0])
+        for k in knobs_for(base)
+    ]))
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--base", help="Upstream release whose policy applies (default: the installed sglang's).")
+@click.option("--dry-run", is_flag=True, help="Print what would be set and the command; start nothing.")
+@click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
+def launch(base: str | None, dry_run: bool, sglang_args: tuple[str, ...]) -> None:
+    """Start SGLang's server with the hardening policy applied.
+
+    Each value the policy sets, and each one you overrode, is logged.
+
+    \b
+    Example:
+      sglang-hardened launch -- --model-path /models/llama --disaggregation-mode prefill
+    """
+    import os
+
+    from .launch import exec_sglang, installed_base, plan
+
+    result = plan(base or installed_base(), list(sglang_args), dict(os.environ))
+    click.echo(format_table(("id", "knob", "value", "outcome"),
+                            [(d.id, d.name, d.value, d.outcome) for d in result.decisions]), err=True)
+    if dry_run:
+        click.echo(" ".join(["python", "-m", "sglang.launch_server", *result.argv]))
+        return
+    exec_sglang(result)
+
+
+@main.command()
+@click.option("--from", "source", required=True, help="Base whose series is carried, e.g. 0.5.23.")
+@click.option("--to", "target", required=True, help="Newer upstream release, e.g. 0.5.24.")
+@click.option("--force", is_flag=True, help="Replace an existing series for the target.")
+@click.option("--report", type=click.Path(path_type=Path), help="Also write a markdown report here.")
+@click.option("--rejects", type=click.Path(path_type=Path), default=Path("rebase-rejects"),
+              show_default=True, help="Where conflicting files' three-way merges go.")
+def rebase(source: str, target: str, force: bool, report: Path | None, rejects: Path) -> None:
+    """Carry a series onto a newer upstream release and say, per patch, what happened.
+
+    Verdicts: applies, applies with offset, applies (3-way merge), already
+    upstream (dropped, recorded as Applied-Upstream), conflict (the merge with
+    its markers is written out; nothing else is written; exit 1).
+
+    \b
+    Example:
+      sglang-hardened rebase --from 0.5.23 --to 0.5.24 --report rebase.md
+    """
+    from .rebase import rebase as run_rebase
+    from .rebase import write_rejects, write_series
+
+    patches = patches_dir()
+    click.echo(f"carrying {source}'s series onto {target}…", err=True)
+    result = run_rebase(patches, source, target)
+    rows = [(v.patch.name, v.patch.hardening_id, v.verdict, v.detail) for v in result.verdicts]
+    table = format_table(("patch", "id", "verdict", "detail"), rows)
+    click.echo(table)
+    if report:
+        report.write_text(f"# Rebase of {source}'s series onto {target}\n\n"
+                          + "| patch | id | verdict | detail |\n|---|---|---|---|\n"
+                          + "".join(f"| {' | '.join(map(str, r))} |\n" for r in rows))
+    if not result.clean:
+        for path in write_rejects(result, rejects):
+            click.echo(f"conflict written to {path}", err=True)
+        raise HardenedError(f"rebase onto {target} needs a human: conflicts above; nothing written")
+    click.echo(f"wrote {write_series(patches, result, force=force)}")
+
+
+@main.group()
+def upstream() -> None:
+    """Upstream releases as the package index lists them.
+
+    \b
+    Example:
+      sglang-hardened upstream check
+    """
+
+
+@upstream.command("check")
+def upstream_check() -> None:
+    """List releases newer than the newest supported base (exit 0 either way).
+
+    \b
+    Example:
+      sglang-hardened upstream check
+    """
+    from .upstream import newer_releases
+
+    newer = newer_releases(patches_dir())
+    click.echo("\n".join(newer) if newer else "no release newer than the newest supported base")
+
+
+def _register_subgroups() -> None:
+    """Command groups that live beside the code they drive."""
+    from .image_command import image
+    from .model.cli import model
+
+    main.add_command(image)
+    main.add_command(model)
+
+
+_register_subgroups()

@@ -30,27 +30,24 @@ def verify_wheel(pin: UpstreamPin, path: Path) -> None:
         )
 
 
-def _pip_download(pin: UpstreamPin, dest: Path, quiet: bool) -> Path:
-    """Ask pip for exactly the pinned file (its tags, not this interpreter's)."""
-    tag = sorted(pin.tags, key=str)[0]
+def _pip_download(version: str, tags: frozenset, dest: Path, quiet: bool) -> Path:
+    """Ask pip for sglang==version built for `tags` (not this interpreter's); the one file."""
+    tag = sorted(tags, key=str)[0]
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
         "--disable-pip-version-check", "--progress-bar", "off" if quiet else "on",
         "--python-version", tag.interpreter.removeprefix("cp"),
         "--implementation", "cp", "--abi", tag.abi, "--platform", tag.platform,
-        "-d", str(dest), f"sglang=={pin.base}",
+        "-d", str(dest), f"sglang=={version}",
     ]
     out = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None,
                          stderr=subprocess.STDOUT if quiet else None, text=True)
     if out.returncode != 0:
         raise HardenedError(
-            f"pip could not download sglang=={pin.base}: exit {out.returncode}"
+            f"pip could not download sglang=={version} for {tag}: exit {out.returncode}"
             + (f"\n{out.stdout[-2000:]}" if quiet and out.stdout else "")
         )
-    got = dest / pin.file
-    if not got.is_file():
-        names = ", ".join(p.name for p in dest.iterdir()) or "nothing"
-        raise HardenedError(f"pip downloaded {names}, not the pinned {pin.file}")
+    [got] = list(dest.iterdir())
     return got
 
 
@@ -68,7 +65,25 @@ def fetch_wheel(pin: UpstreamPin, *, refresh: bool = False, quiet: bool = True,
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        got = _pip_download(pin, Path(tmp), quiet)
+        got = _pip_download(pin.base, pin.tags, Path(tmp), quiet)
+        if got.name != pin.file:
+            raise HardenedError(f"pip downloaded {got.name}, not the pinned {pin.file}")
         verify_wheel(pin, got)
         os.replace(got, target)
     return target
+
+
+def pin_release(version: str, like: UpstreamPin, *, quiet: bool = True,
+                cache: Path | None = None) -> UpstreamPin:
+    """Pin a release not yet in the lock: download it for `like`'s tags and record its hash.
+
+    pip checks the hash the index serves with the file, so the pin is what
+    the index serves; from then on the lock entry is what every use checks.
+    """
+    staging = (cache or cache_dir()) / "upstream"
+    staging.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=staging, prefix=".fetch-") as tmp:
+        got = _pip_download(version, like.tags, Path(tmp), quiet)
+        pin = UpstreamPin(version, got.name, sha256_file(got))
+        os.replace(got, cached_path(pin, cache))
+    return pin

@@ -50,3 +50,13 @@ def get_pin(patches: Path, base: str) -> UpstreamPin:
     if base not in pins:
         raise HardenedError(f"unknown base {base!r}; supported bases: {', '.join(pins)}")
     return pins[base]
+
+
+def add_pin(patches: Path, pin: UpstreamPin) -> None:
+    """Append a base to the lock file (kept hand-readable: one block per base, in order)."""
+    path = patches / LOCK_NAME
+    if pin.base in load_lock(patches):
+        raise HardenedError(f"{path} already pins {pin.base}")
+    block = f'\n[base."{pin.base}"]\nfile = "{pin.file}"\nsha256 = "{pin.sha256}"\n'
+    with path.open("a") as fh:
+        fh.write(block)

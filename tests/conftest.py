@@ -60,6 +60,21 @@ def tree_copy(tmp_path, patches, monkeypatch) -> Path:
 
 
 @pytest.fixture
+def drop_base(tree_copy):
+    """Remove a base from the tree copy (series and lock entry), as if upstream just released it."""
+
+    def drop(base: str) -> None:
+        shutil.rmtree(tree_copy / base)
+        lock = tree_copy / "upstream.lock"
+        text = lock.read_text()
+        start = text.index(f'[base."{base}"]')
+        end = text.find("[base.", start + 1)
+        lock.write_text(text[:start] + (text[end:] if end != -1 else ""))
+
+    return drop
+
+
+@pytest.fixture
 def run_cli():
     """Run `sglang-hardened ARGS` as a user would: a real process, exit code and output."""
 

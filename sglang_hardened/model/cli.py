@@ -1,0 +1,137 @@
+"""``model``: check the PD KV-page protocol model from the command line.
+
+A click group the top-level ``sglang-hardened`` CLI registers; it can also
+be run alone: ``python -c "from sglang_hardened.model.cli import model; model()"``.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .checker import CheckResult, check
+from .configs import NAMED, SCENARIOS, WIDE_SCENARIOS, parse_config
+from .necessity import necessity
+from .report import format_finding, format_table
+
+
+def _bounds_line(wide: bool) -> str:
+    scenarios = WIDE_SCENARIOS if wide else SCENARIOS
+    parts = [
+        f"{sc.name} ({len(sc.requests)} requests, {sc.pool_pages} pages, {sc.faults} faults)"
+        for sc in scenarios
+    ]
+    return "bounds: " + "; ".join(parts)
+
+
+@click.group()
+def model() -> None:
+    """Explicit-state model of prefill/decode KV pages, transfers and aborts.
+
+    \b
+    Example:
+      sglang-hardened model check --config upstream-0.5.19
+    """
+
+
+@model.command("check")
+@click.option(
+    "--config",
+    "names",
+    multiple=True,
+    metavar="NAME",
+    help="A named configuration (see --list) or switches like 'H1,H3,H5' "
+    "('none' for none). Repeatable.",
+)
+@click.option(
+    "--all",
+    "check_all",
+    is_flag=True,
+    help="Check every named configuration; exit 0 when each gives the "
+    "result it is expected to (upstream violated, hardened clean).",
+)
+@click.option(
+    "--list", "list_only", is_flag=True, help="List the named configurations."
+)
+@click.option(
+    "--wide", is_flag=True, help="Add the three-tenant scenario (about 10x slower)."
+)
+def check_cmd(
+    names: tuple[str, ...], check_all: bool, list_only: bool, wide: bool
+) -> None:
+    """Check configurations exhaustively within the bounds.
+
+    Prints a table (config, states explored, result, seconds), then a
+    numbered trace for every broken property. Exits 0 when nothing is
+    broken, 1 otherwise (with --all: when any result is not the expected one).
+
+    \b
+    Examples:
+      sglang-hardened model check --config upstream-0.5.19
+      sglang-hardened model check --config hardened-0.5.23 --config H1,H2,H5
+      sglang-hardened model check --all
+      sglang-hardened model check --list
+    """
+    if list_only:
+        for cfg in NAMED.values():
+            click.echo(
+                f"{cfg.name:<16} {','.join(sorted(cfg.switches)) or 'none':<24} {cfg.summary}"
+            )
+        return
+    if check_all == bool(names):
+        raise click.UsageError("give --config NAME (repeatable), --all or --list")
+    try:
+        configs = (
+            list(NAMED.values()) if check_all else [parse_config(n) for n in names]
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config") from None
+    scenarios = WIDE_SCENARIOS if wide else SCENARIOS
+    click.echo(_bounds_line(wide))
+    results: list[CheckResult] = [check(cfg, scenarios) for cfg in configs]
+    click.echo(format_table(results))
+    if check_all:
+        wrong = [r.config.name for r in results if r.clean != r.config.expect_clean]
+        if wrong:
+            click.echo(f"unexpected result for: {', '.join(wrong)}")
+            raise SystemExit(1)
+        click.echo("every configuration gives its expected result")
+        return
+    for res in results:
+        for finding in res.findings:
+            click.echo(f"\n[{res.config.name}] {format_finding(finding)}")
+    if any(not r.clean for r in results):
+        raise SystemExit(1)
+
+
+@model.command("necessity")
+@click.option(
+    "--wide", is_flag=True, help="Add the three-tenant scenario (about 10x slower)."
+)
+def necessity_cmd(wide: bool) -> None:
+    """Show, per item, what turning it off does to the hardened model.
+
+    An item is necessary when turning it off alone breaks a property; an
+    item covered by another must leave the model clean when off alone and
+    break it when off together with its cover. Exits 1 if any claim fails.
+
+    \b
+    Example:
+      sglang-hardened model necessity
+    """
+    click.echo(_bounds_line(wide))
+    ok = True
+    for v in necessity(WIDE_SCENARIOS if wide else SCENARIOS):
+        alone = "clean" if v.alone.clean else ", ".join(v.alone.kinds)
+        if v.with_cover is None:
+            line = f"{v.item.value}: off alone -> {alone}: necessary"
+        else:
+            cover = ",".join(sorted(v.cover))
+            both = "clean" if v.with_cover.clean else ", ".join(v.with_cover.kinds)
+            line = (
+                f"{v.item.value}: off alone -> {alone}; covered by {cover} "
+                f"(off with it -> {both}): {v.reason}"
+            )
+        ok &= v.holds
+        click.echo(line + ("" if v.holds else "  [CLAIM FAILS]"))
+    if not ok:
+        raise SystemExit(1)

@@ -1,0 +1,168 @@
+"""Switches, named configurations and the bounds the model is checked in.
+
+A configuration is the set of hardening items that are on. The named ones
+say what each upstream release already does (read off the wheels, see
+UPSTREAM.md) and what the hardened series for that base adds, so a change
+to either is a change to data here, not to the machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from .state import Kind, RequestSpec, Scenario
+
+
+class Switch(StrEnum):
+    """A hardening item of DESIGN.md's catalogue that the model mirrors."""
+
+    H1 = "H1"  # admission-time rejection of a request whose intake failed
+    H2 = "H2"  # prefill never reports success over a pending abort
+    H3 = (
+        "H3"  # page coverage: transfer fails unless every page decode reads was written
+    )
+    H4 = "H4"  # prefill-side reject/failure pushed to decode at once
+    H5 = "H5"  # deferred decode KV release on every failure path
+    H6 = "H6"  # bounded batches: a batch cannot outlive the release timeout
+    H8 = "H8"  # page ownership tags checked before decode reads
+
+
+ALL = frozenset(Switch)
+
+#: What upstream itself does, per release, in the model's terms.
+#: 0.5.20 retires an aborted prefill after its forward (H2 for intake
+#: errors) but decode is not told; 0.5.21 adds admission rejection and
+#: turns deferred release on by default. No release bounds batches by
+#: default, checks coverage or tags, or pushes prefill failures to decode.
+UPSTREAM: dict[str, frozenset[Switch]] = {
+    "0.5.19": frozenset(),
+    "0.5.20": frozenset({Switch.H2}),
+    "0.5.21": frozenset({Switch.H1, Switch.H2, Switch.H5}),
+    "0.5.22": frozenset({Switch.H1, Switch.H2, Switch.H5}),
+    "0.5.23": frozenset({Switch.H1, Switch.H2, Switch.H5}),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A named or ad-hoc set of switches and the outcome CI expects of it."""
+
+    name: str
+    switches: frozenset[Switch]
+    summary: str
+    expect_clean: bool
+
+
+def _named() -> dict[str, Config]:
+    configs: dict[str, Config] = {}
+    for base, upstream in UPSTREAM.items():
+        on = ", ".join(sorted(upstream)) or "none"
+        configs[f"upstream-{base}"] = Config(
+            f"upstream-{base}",
+            upstream,
+            f"upstream {base} as released (items: {on})",
+            False,
+        )
+    for base, upstream in UPSTREAM.items():
+        added = ", ".join(sorted(ALL - upstream))
+        configs[f"hardened-{base}"] = Config(
+            f"hardened-{base}",
+            ALL,
+            f"{base} with its series (series adds {added})",
+            True,
+        )
+    return configs
+
+
+NAMED: dict[str, Config] = _named()
+
+
+def parse_config(name: str) -> Config:
+    """A named configuration, or a comma-separated switch list ("none" for none).
+
+    An explicit list is expected clean only when it holds every switch.
+    """
+    if name in NAMED:
+        return NAMED[name]
+    words = [w.strip().upper() for w in name.split(",") if w.strip()]
+    if words == ["NONE"]:
+        words = []
+    try:
+        switches = frozenset(Switch(w) for w in words)
+    except ValueError:
+        known = ", ".join(NAMED)
+        raise ValueError(
+            f"unknown configuration {name!r}: use one of {known}, "
+            f"or switches like 'H1,H3,H5' ('none' for none)"
+        ) from None
+    label = ",".join(sorted(switches)) or "none"
+    return Config(label, switches, f"switches {label}", switches == ALL)
+
+
+#: Items whose job another item does within this model: turning one off
+#: alone leaves the model clean, turning it off together with its cover
+#: breaks a property. Tests check both halves of every entry.
+COVERED_BY: dict[Switch, tuple[frozenset[Switch], str]] = {
+    Switch.H1: (
+        frozenset({Switch.H2}),
+        "H2 retires the request after its one-token forward, before any "
+        "transfer; H1 still saves the bootstrap, allocation and forward",
+    ),
+    Switch.H2: (
+        frozenset({Switch.H1}),
+        "with H1 an over-pool request never reaches the transfer whose "
+        "success H2 would suppress",
+    ),
+    Switch.H3: (
+        frozenset({Switch.H8}),
+        "a page the transfer did not write keeps a foreign tag, so the tag "
+        "check fails the request before its first decode step",
+    ),
+    Switch.H8: (
+        frozenset({Switch.H3}),
+        "in this model every foreign page decode could read is an unwritten "
+        "one, which the coverage check already refuses",
+    ),
+}
+
+#: The bounds. Pool of 4 pages, FIFO free list, every page warm with an
+#: earlier tenant's KV; 2 requests per scenario, each its own tenant; one
+#: page per chunk; one transfer lane; at most 2 faults (client disconnect,
+#: transport failure, crash of either node) per run. Timeouts fire
+#: whenever their guard allows.
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "over-pool",
+        (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.OVER, 3, 1)),
+        pool_pages=4,
+        faults=2,
+    ),
+    Scenario(
+        "truncation",
+        (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.TRUNC, 3, 2)),
+        pool_pages=4,
+        faults=2,
+    ),
+    Scenario(
+        "abort-reuse",
+        (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.FITS, 3, 3)),
+        pool_pages=4,
+        faults=2,
+    ),
+)
+
+#: Wider bounds, about ten times the work: three tenants contend for the
+#: same 4 pages, with at most 1 fault per run.
+WIDE_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + (
+    Scenario(
+        "three-tenants",
+        (
+            RequestSpec(Kind.FITS, 2, 2),
+            RequestSpec(Kind.OVER, 3, 1),
+            RequestSpec(Kind.FITS, 2, 2),
+        ),
+        pool_pages=4,
+        faults=1,
+    ),
+)

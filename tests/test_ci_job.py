@@ -1,0 +1,41 @@
+"""The scheduled upstream-rebase job, run as CI runs it, against a real newer release."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_job_reports_a_conflict_and_asks_for_a_human(tree_copy, drop_base, tmp_path):
+    # Make 0.5.22 and 0.5.23 "new": the newest supported base is then 0.5.21,
+    # whose H0 does not apply to 0.5.22's rewritten /server_info.
+    drop_base("0.5.23")
+    drop_base("0.5.22")
+    report = tmp_path / "report.md"
+    done = subprocess.run(["bash", str(REPO / "ci" / "upstream-rebase"), str(report)],
+                          capture_output=True, text=True, env={**os.environ, "REBASE_TEST_COMMAND": "false"}, timeout=900)
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = report.read_text()
+    assert "## 0.5.21 → 0.5.22" in text and "needs a human" in text
+    assert "0.5.23" not in text  # the job stops at the first release that needs a human
+    assert "| 0001-h0-report-hardened-identity.patch | H0 | conflict |" in text
+    assert list((tmp_path / "rebase-rejects" / "0.5.22").iterdir())
+    assert not (tree_copy / "0.5.22").exists()
+
+
+def test_job_carries_a_clean_release_verifies_builds_and_tests_it(tree_copy, drop_base, tmp_path):
+    drop_base("0.5.23")  # 0.5.22's H0 carries onto 0.5.23 (same /server_info shape)
+    report = tmp_path / "report.md"
+    marker = tmp_path / "tests-ran"
+    done = subprocess.run(["bash", str(REPO / "ci" / "upstream-rebase"), str(report)],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "REBASE_TEST_COMMAND": f"touch {marker}"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = report.read_text()
+    assert "## 0.5.22 → 0.5.23" in text and "carried, verified, built and tested" in text
+    assert marker.exists()
+    assert (tree_copy / "0.5.23" / "series").is_file()
+    assert list((tmp_path / "dist" / "0.5.23").glob("sglang-0.5.23+hardened.1-*.whl"))

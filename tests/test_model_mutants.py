@@ -1,0 +1,76 @@
+"""Break one mechanism of the hardened protocol at a time: the checker
+must notice. This shows the clean results come from the mechanisms, not
+from a model too coarse to see them fail."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from sglang_hardened.model.checker import explore
+from sglang_hardened.model.configs import ALL, SCENARIOS, Switch
+from sglang_hardened.model.machine import NORMAL, Event, Machine, Step
+from sglang_hardened.model.state import D_HELD, State
+
+
+class _AckBeforeDrain(Machine):
+    """Prefill acks an abort while the room's batch is still writing."""
+
+    def successors(self, s: State) -> Iterator[Step]:
+        yield from super().successors(s)
+        for r, q in enumerate(s.reqs):
+            if q.d == D_HELD and s.batch is not None and s.batch.req == r:
+                yield Step(Event("abort_ack", r), self._release(s, r), NORMAL)
+
+
+class _NoAbortFrame(Machine):
+    """Decode holds the pages but never tells prefill to stop sending."""
+
+    def _decode_fails(self, s: State, r: int) -> State:
+        held = super()._decode_fails(s, r)
+        q = held.reqs[r]
+        if q.d != D_HELD:
+            return held
+        q = q._replace(p_abort=s.reqs[r].p_abort)
+        return held._replace(reqs=held.reqs[:r] + (q,) + held.reqs[r + 1 :])
+
+
+class _CrashKeepsWriting(Machine):
+    """The batch into a crashed decode keeps going into the new process."""
+
+    def _decode_crash(self, s: State) -> State:
+        return super()._decode_crash(s)._replace(batch=s.batch)
+
+
+class _TagsStampedByDecode(Machine):
+    """Decode stamps the tags itself when the room reports success, so they
+    vouch for pages nobody wrote (DESIGN.md: the tag must travel with the
+    data)."""
+
+    def _commit(self, s: State, r: int) -> State:
+        stamped = list(s.pages)
+        for page in s.reqs[r].alloc:
+            stamped[page] = r
+        return (
+            super()._commit(s._replace(pages=tuple(stamped)), r)._replace(pages=s.pages)
+        )
+
+
+MUTANTS = [
+    (_AckBeforeDrain, ALL, "reuse-under-write"),
+    (_NoAbortFrame, ALL, "reuse-under-write"),
+    (_CrashKeepsWriting, ALL, "reuse-under-write"),
+    # with coverage (H3) off, only the tags stand between decode and the leak
+    (_TagsStampedByDecode, ALL - {Switch.H3}, "foreign-read"),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutant", "switches", "kind"), MUTANTS, ids=lambda m: getattr(m, "__name__", "")
+)
+def test_mutant_is_caught(
+    mutant: type[Machine], switches: frozenset[Switch], kind: str
+) -> None:
+    found = {f.kind for sc in SCENARIOS for f in explore(mutant(sc, switches)).findings}
+    assert kind in found
