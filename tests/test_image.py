@@ -27,6 +27,7 @@ from sglang_hardened import __version__
 from sglang_hardened.image import (DOCKERFILE, build_args, build_command, ensure_wheels,
                                    tool_wheel_is_current, wheel_manifest)
 from sglang_hardened.lock import get_pin
+from sglang_hardened.policy import knobs_for
 from sglang_hardened.series import load_series
 from sglang_hardened.stamp import hardened_version
 
@@ -96,6 +97,21 @@ def test_image_runs_the_hardened_sglang_offline(container, patches):
 
 
 @pytest.mark.image
+def test_entrypoint_applies_the_hardening_policy(container, image):
+    """The entrypoint's `launch`, dry run: each knob of the base's policy is set (read off policy.yaml)."""
+    entrypoint = image_config(image)["Entrypoint"]
+    assert entrypoint == ["sglang-hardened", "launch", "--"]
+    dry = run("buildah", "run", container, "--", *entrypoint[:2], "--dry-run", "--",
+              "--model-path", "/models/m", "--disaggregation-mode", "decode", offline=True)
+    assert dry.returncode == 0, dry.stderr
+    for knob in knobs_for(BASE):
+        assert any(knob.name in line and "set by policy" in line for line in dry.stderr.splitlines()), knob
+    flags = [k.flag for k in knobs_for(BASE) if k.flag]
+    assert dry.stdout.split() == ["python", "-m", "sglang.launch_server", "--model-path", "/models/m",
+                                  "--disaggregation-mode", "decode", *flags]
+
+
+@pytest.mark.image
 def test_image_labels_and_config_say_what_it_carries(image, substitute_base, patches):
     series = load_series(patches, BASE)
     config = image_config(image)
@@ -104,7 +120,6 @@ def test_image_labels_and_config_say_what_it_carries(image, substitute_base, pat
     assert labels["sglang-hardened.hardening-ids"] == " ".join(series.hardening_ids)
     assert labels["sglang-hardened.upstream-sha256"] == get_pin(patches, BASE).sha256
     assert labels["org.opencontainers.image.base.name"] == substitute_base
-    assert config["Entrypoint"] == ["sglang-hardened", "launch", "--"]
     assert "SGLANG_HARDENED_HEALTH_PORT=30000" in config["Env"]
 
 
