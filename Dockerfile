@@ -7,9 +7,10 @@
 #
 # BASE_IMAGE: upstream publishes lmsysorg/sglang:v<release> (CUDA 13 builds;
 # CUDA 12 tags carry a suffix, e.g. v0.5.19-cu129). The tag is pinned to the
-# release the wheel was built from. Tests substitute a CPU stand-in.
+# release the wheel was built from; the name is fully qualified, as buildah
+# resolves no short names by default. Tests substitute a CPU stand-in.
 ARG SGLANG_BASE=0.5.23
-ARG BASE_IMAGE=lmsysorg/sglang:v${SGLANG_BASE}
+ARG BASE_IMAGE=docker.io/lmsysorg/sglang:v${SGLANG_BASE}
 FROM ${BASE_IMAGE}
 
 ARG BASE_IMAGE

@@ -15,7 +15,7 @@ from .table import format_table
               help="Default: Docker where its daemon answers, else buildah.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("dist"),
               show_default=True, help="Directory of the wheels (built there unless current).")
-@click.option("--base-image", help="Build on this image instead of upstream's lmsysorg/sglang:v<base>.")
+@click.option("--base-image", help="Build on this image instead of upstream's docker.io/lmsysorg/sglang:v<base>.")
 @click.option("--tag", help="Image name. Default: sglang-hardened:<base>-hardened.<n>.")
 def image(base: str, engine: str | None, out_dir: Path, base_image: str | None, tag: str | None) -> None:
     """Build the hardened image: the wheels (if not current), then the Dockerfile.
