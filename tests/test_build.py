@@ -11,27 +11,28 @@ import pytest
 from cyclonedx.schema import SchemaVersion
 from cyclonedx.validation.json import JsonStrictValidator
 
+from sglang_hardened import unidiff
 from sglang_hardened.build import build
 from sglang_hardened.hashing import sha256_file
 from sglang_hardened.lock import load_lock
 from sglang_hardened.series import load_series
 
-SEAM_CALLS = ("hardened_identity.server_info()", "hardened_identity.log_startup()")
-HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
 
 # Read inside the venv without importing sglang's package __init__ (it needs
 # torch and the CUDA stack; the e2e harness checks `sglang.__version__` there).
 PROBE = """
-import importlib.metadata as md, importlib.util, json, pathlib, py_compile
+import importlib.metadata as md, importlib.util, json, pathlib, py_compile, sys
 from sglang_hardened.runtime import identity
 pkg = pathlib.Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
 spec = importlib.util.spec_from_file_location("v", pkg / "_version.py")
 mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-py_compile.compile(str(pkg / "srt/entrypoints/http_server.py"), doraise=True)
+patched = {name: pkg.parent / name for name in json.loads(sys.argv[1])}
+for path in patched.values():
+    py_compile.compile(str(path), doraise=True)
 print(json.dumps({
     "dist_version": md.version("sglang"),
     "module_version": mod.__version__,
-    "http_server": (pkg / "srt/entrypoints/http_server.py").read_text(),
+    "patched": {name: path.read_text() for name, path in patched.items()},
     "startup_line": identity.startup_line(),
     "server_info": identity.server_info(),
     "sbom": md.distribution("sglang").read_text("sboms/sglang-hardened.cdx.json"),
@@ -47,13 +48,16 @@ def test_hardened_wheel_installs_and_says_what_it_carries(base, built, patches, 
     pin = load_lock(patches)[base]
     python = make_venv(tmp_path / "venv", result.wheel, tool)
 
-    probe = json.loads(subprocess.run([str(python), "-c", PROBE], check=True,
-                                      capture_output=True, text=True).stdout)
+    touched = {fp.target: fp for p in series.patches for fp in unidiff.parse(p.diff)}
+    probe = json.loads(subprocess.run([str(python), "-c", PROBE, json.dumps(sorted(touched))],
+                                      check=True, capture_output=True, text=True).stdout)
     version = f"{base}+hardened.{series.revision}"
     assert probe["dist_version"] == version
     assert probe["module_version"] == version
-    for call in SEAM_CALLS:
-        assert call in probe["http_server"]
+    for patch in series.patches:  # every seam each patch adds is in the installed file
+        for fp in unidiff.parse(patch.diff):
+            for hunk in fp.hunks:
+                assert "".join(hunk.new) in probe["patched"][fp.target], (patch.name, hunk.header)
     assert probe["server_info"]["hardening_ids"] == series.hardening_ids
     assert "H0" in probe["startup_line"] and version in probe["startup_line"]
 

@@ -15,6 +15,8 @@ from sglang_hardened.series import load_series
 from sglang_hardened.verify import verify_base
 
 H0 = "0001-h0-report-hardened-identity.patch"
+H7 = "0002-h7-refuse-kv-pool-smaller-than-context.patch"
+H7B = "0003-h7-refuse-decode-input-limit-above-prefill.patch"
 PREFILL = "sglang/srt/disaggregation/prefill.py"
 # Upstream's admission-time rejection (sgl-project/sglang#38935, first in 0.5.21),
 # exactly as 0.5.21 has it in PrefillBootstrapQueue.add.
@@ -32,13 +34,15 @@ ADD = "    def add(self, req: Req, num_kv_heads: int) -> None:\n"
 # Why each verdict is the fact: 0.5.20 moved the seam's lines (offset only);
 # 0.5.21 added `"frontend"` beside the line H0 inserts before (a clean 3-way
 # merge); 0.5.22 rewrote the /server_info dict (redact_watermark_secrets), so
-# H0 needs a human there, as it got one in 0.5.22's own series.
+# H0 needs a human there, as it got one in 0.5.22's own series. H7's scheduler
+# context only moved; its bootstrap seams sit beside lines upstream changed
+# from 0.5.20 on (a clean 3-way merge).
 @pytest.mark.parametrize("target, verdict", [
     ("0.5.20", OFFSET), ("0.5.21", MERGED), ("0.5.22", CONFLICT), ("0.5.23", CONFLICT)])
-def test_h0_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdict, tmp_path):
+def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdict, tmp_path):
     drop_base(target)
     result = rebase(tree_copy, "0.5.19", target)
-    assert [v.verdict for v in result.verdicts] == [verdict]
+    assert {v.patch.name: v.verdict for v in result.verdicts} == {H0: verdict, H7: OFFSET, H7B: MERGED}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -46,11 +50,18 @@ def test_h0_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdict, 
         return
     written = write_series(tree_copy, result, force=False)
     carried = load_series(tree_copy, target)
-    assert [p.diff for p in carried.patches] == [p.diff for p in load_series(patches, target).patches]
+    # The carried patches add what the ones hand-made for that base add.
+    assert [added_lines(p.diff) for p in carried.patches] == [
+        added_lines(p.diff) for p in load_series(patches, target).patches]
     assert load_lock(tree_copy)[target] == result.pin
     assert all(row.ok for row in verify_base(tree_copy, target))
     [wheel], _ = build([target], tmp_path / "out", patches=tree_copy)
     assert wheel.version == f"{target}+hardened.1" and (written / H0).is_file()
+
+
+def added_lines(diff: str) -> list[str]:
+    return [line for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")
+            and line.strip("+ ")]
 
 
 def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_copy):
@@ -70,12 +81,13 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     shutil.rmtree(tree_copy / "0.5.21")
 
     result = rebase(tree_copy, "0.5.20", "0.5.21")
-    assert [v.verdict for v in result.verdicts] == [MERGED, UPSTREAM]  # H0 as from 0.5.19
+    assert {v.patch.name: v.verdict for v in result.verdicts} == {
+        H0: MERGED, H7: OFFSET, H7B: OFFSET, backport.name: UPSTREAM}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {backport.name}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / backport.name).exists()
-    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0]
+    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B]
 
 
 def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree_copy, tmp_path):
