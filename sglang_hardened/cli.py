@@ -254,8 +254,10 @@ def upstream_check() -> None:
 
 def _register_subgroups() -> None:
     """Command groups that live beside the code they drive."""
+    from .image_command import image
     from .model.cli import model
 
+    main.add_command(image)
     main.add_command(model)
 
 

@@ -1,0 +1,145 @@
+"""Build the hardened image from the repository's Dockerfile with Docker or buildah.
+
+The build args (version, hardening ids, upstream hash) are read from the
+manifest inside the hardened wheel, so the image says exactly what the wheel
+carries. The build context holds only the two wheels, and the Dockerfile
+installs them offline.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import zipfile
+from pathlib import Path
+
+from . import __version__
+from .build import TOOL_ROOT, Progress, build
+from .errors import HardenedError
+from .hashing import record_digest
+from .lock import get_pin
+from .manifest import build_manifest
+from .paths import patches_dir
+from .runtime.identity import MANIFEST_NAME
+from .series import load_series
+from .stamp import hardened_version
+
+DOCKERFILE = TOOL_ROOT / "Dockerfile"
+
+
+def wheel_manifest(wheel: Path) -> dict:
+    """The hardening manifest a built wheel carries (what `info` reads once installed)."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.endswith(f".dist-info/{MANIFEST_NAME}")]
+        if len(names) != 1:
+            raise HardenedError(f"{wheel.name} is not a hardened sglang wheel (no {MANIFEST_NAME})")
+        return json.loads(zf.read(names[0]))
+
+
+def build_args(manifest: dict, base_image: str | None = None) -> dict[str, str]:
+    """The Dockerfile's build args; BASE_IMAGE only when overriding upstream's image."""
+    args = {
+        "SGLANG_BASE": manifest["base"],
+        "HARDENED_VERSION": manifest["version"],
+        "HARDENING_IDS": " ".join(manifest["hardening_ids"]),
+        "UPSTREAM_SHA256": manifest["upstream"]["sha256"],
+        "TOOL_VERSION": manifest["tool"]["version"],
+    }
+    if base_image:
+        args["BASE_IMAGE"] = base_image
+    return args
+
+
+def default_tag(version: str) -> str:
+    """`sglang-hardened:0.5.23-hardened.1`: an image tag cannot hold the `+`."""
+    return f"sglang-hardened:{version.replace('+', '-')}"
+
+
+def pick_engine() -> str:
+    """Docker where its daemon answers, else buildah (daemonless: CI, inside containers)."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "info"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if probe.returncode == 0:
+            return "docker"
+    if shutil.which("buildah"):
+        return "buildah"
+    raise HardenedError("no image engine: start a Docker daemon or install buildah")
+
+
+def build_command(engine: str, context: Path, tag: str, args: dict[str, str]) -> list[str]:
+    """The engine's build command. buildah writes Docker format: OCI drops HEALTHCHECK."""
+    flags = [f"--build-arg={key}={value}" for key, value in sorted(args.items())]
+    tool = ["docker", "build"] if engine == "docker" else ["buildah", "bud", "--format", "docker"]
+    return [*tool, "--quiet", "-f", str(DOCKERFILE), "-t", tag, *flags, str(context)]
+
+
+def tool_wheel_is_current(wheel: Path) -> bool:
+    """Does the wheel hold exactly this checkout's package files (same version, same code)?"""
+    package = TOOL_ROOT / "sglang_hardened"
+    source = {
+        f"sglang_hardened/{p.relative_to(package).as_posix()}": record_digest(p.read_bytes())
+        for p in package.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    with zipfile.ZipFile(wheel) as zf:
+        record = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+        rows = csv.reader(io.StringIO(zf.read(record).decode()))
+        packed = {row[0]: row[1] for row in rows if row[0].startswith("sglang_hardened/")}
+    return packed == source
+
+
+def ensure_wheels(base: str, out_dir: Path, progress: Progress) -> tuple[Path, Path]:
+    """The hardened and tool wheels for `base` in `out_dir`, built unless current ones are there.
+
+    Current means: the hardened wheel's manifest is what the series would
+    produce now, and the tool wheel holds this checkout's code.
+    """
+    patches = patches_dir()
+    pin, series = get_pin(patches, base), load_series(patches, base)
+    version = hardened_version(base, series.revision)
+    found = sorted(out_dir.glob(f"sglang-{version}-*.whl"))
+    tools = sorted(out_dir.glob(f"sglang_hardened-{__version__}-*.whl"))
+    if (len(found) == 1 and len(tools) == 1
+            and wheel_manifest(found[0]) == build_manifest(pin, series, version)
+            and tool_wheel_is_current(tools[0])):
+        progress(f"{base}: using {found[0].name} and {tools[0].name}")
+        return found[0], tools[0]
+    results, tool = build([base], out_dir, patches=patches, progress=progress)
+    return results[0].wheel, tool
+
+
+def _stage(wheels: tuple[Path, ...], context: Path) -> None:
+    """Put the wheels in the context: hard links where possible, else copies."""
+    for wheel in wheels:
+        try:
+            os.link(wheel, context / wheel.name)
+        except OSError:
+            shutil.copy2(wheel, context / wheel.name)
+
+
+def build_image(base: str, out_dir: Path, *, engine: str | None = None,
+                base_image: str | None = None, tag: str | None = None,
+                progress: Progress = lambda msg: None) -> tuple[str, str, dict[str, str]]:
+    """Build the image for `base`; returns the tag, the engine used and the build args."""
+    if not DOCKERFILE.is_file():
+        raise HardenedError(f"no Dockerfile at {DOCKERFILE}: build images from a checkout")
+    engine = engine or pick_engine()
+    wheel, tool = ensure_wheels(base, out_dir, progress)
+    manifest = wheel_manifest(wheel)
+    args = build_args(manifest, base_image)
+    tag = tag or default_tag(manifest["version"])
+    # chroot isolation needs no OCI runtime and works inside containers; an explicit setting wins.
+    env = {**os.environ, "BUILDAH_ISOLATION": os.environ.get("BUILDAH_ISOLATION", "chroot")}
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".image-") as context:
+        _stage((wheel, tool), Path(context))
+        progress(f"{base}: building {tag} with {engine}")
+        run = subprocess.run(build_command(engine, Path(context), tag, args), env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if run.returncode != 0:
+        raise HardenedError(f"{engine} build of {tag} failed (exit {run.returncode}):\n{run.stdout[-3000:]}")
+    return tag, engine, args
