@@ -256,9 +256,11 @@ def _register_subgroups() -> None:
     """Command groups that live beside the code they drive."""
     from .image_command import image
     from .model.cli import model
+    from .sandbox.cli import sandbox
 
     main.add_command(image)
     main.add_command(model)
+    main.add_command(sandbox)
 
 
 _register_subgroups()

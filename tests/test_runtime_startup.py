@@ -58,6 +58,7 @@ def bootstrap_server():
 
 def test_decode_refuses_a_prefill_with_a_lower_input_limit(bootstrap_server, monkeypatch):
     addr, answers = bootstrap_server
+    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
     monkeypatch.setattr(startup, "_own_input_limit", 1018)
     answers[startup.LIMITS_ROUTE] = {"max_req_input_len": 250}
     with pytest.raises(UnsafeConfiguration, match=r"up to 1018 tokens but the prefill at .* only up to 250"):
@@ -80,3 +81,13 @@ def test_bootstrap_server_keeps_the_smallest_registered_limit(monkeypatch):
         startup.note_registration({startup.REGISTRATION_FIELD: value, "page_size": 1})
     startup.note_registration({"page_size": 1})  # an upstream rank registers no limit
     assert startup._registered_input_limit == 250
+
+
+def test_override_lets_decode_serve_a_prefill_with_a_lower_limit(bootstrap_server, monkeypatch, caplog):
+    addr, answers = bootstrap_server
+    monkeypatch.setattr(startup, "_own_input_limit", 1018)
+    monkeypatch.setenv(OVERRIDE_ENV, "1")
+    answers[startup.LIMITS_ROUTE] = {"max_req_input_len": 250}
+    with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
+        startup.check_prefill_limits(addr)
+    assert "Serving anyway" in caplog.text

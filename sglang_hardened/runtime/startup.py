@@ -21,7 +21,9 @@ import os
 import urllib.error
 import urllib.request
 
-OVERRIDE_ENV = "SGLANG_HARDENED_ALLOW_SMALL_KV_POOL"
+# One override for both H7 checks: a pool below the context is what makes the
+# roles' input limits differ, and tests of the deeper layers need both off.
+OVERRIDE_ENV = "SGLANG_HARDENED_ALLOW_UNSAFE_KV_LIMITS"
 PD_MODES = ("prefill", "decode")
 LIMITS_ROUTE = "/hardened/limits"
 REGISTRATION_FIELD = "hardened_max_req_input_len"
@@ -58,8 +60,13 @@ def check_kv_pool(mode: str, pool_tokens: int, context_len: int) -> None:
         f"(--mem-fraction-static, --max-total-tokens) or lower --context-length to at most "
         f"{pool_tokens}. To start anyway, set {OVERRIDE_ENV}=1 (logged)."
     )
+    _refuse(message, "Starting anyway")
+
+
+def _refuse(message: str, going_on: str) -> None:
+    """Raise UnsafeConfiguration, unless the operator's override is set: then log that it was."""
     if os.environ.get(OVERRIDE_ENV) == "1":
-        log.warning("%s Starting anyway: %s=1 overrides this check.", message, OVERRIDE_ENV)
+        log.warning("%s %s: %s=1 overrides this check.", message, going_on, OVERRIDE_ENV)
         return
     log.error(message)
     raise UnsafeConfiguration(message)
@@ -107,7 +114,6 @@ def check_prefill_limits(bootstrap_addr: str) -> None:
             f"sglang-hardened H7: this decode accepts inputs up to {_own_input_limit} tokens but the "
             f"prefill at {bootstrap_addr} only up to {prefill_limit}; a prompt in between would be "
             f"admitted here and cannot be served there. Give both roles the same --context-length "
-            f"and KV pools that hold it."
+            f"and KV pools that hold it. To serve anyway, set {OVERRIDE_ENV}=1 (logged)."
         )
-        log.error(message)
-        raise UnsafeConfiguration(message)
+        _refuse(message, "Serving anyway")

@@ -37,6 +37,7 @@ def sandbox() -> None:
 @click.option("--prefill-pool-tokens", type=int, default=256, show_default=True)
 @click.option("--decode-pool-tokens", type=int, default=4096, show_default=True)
 @click.option("--context-length", type=int, default=1024, show_default=True)
+@click.option("--decode-context-length", type=int, default=None, help="Decode's own (default: --context-length).")
 @click.option("--page-size", type=int, default=1, show_default=True)
 @click.option("--chunked-prefill-size", type=int, default=None)
 @click.option("--waiting-timeout", type=int, default=300, show_default=True, help="Decode's PD waiting timeout, s.")
@@ -45,7 +46,7 @@ def sandbox() -> None:
 @click.option("--overlay", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="CPU stand-ins dir (default: the checkout's tests/cpu_overlay).")
 def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, prefill_pool_tokens: int,
-       decode_pool_tokens: int, context_length: int, page_size: int, chunked_prefill_size: int | None,
+       decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], overlay: Path | None) -> None:
     """Build the environment if needed and start a cluster."""
     try:
@@ -54,6 +55,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, p
             raise SandboxError(f"sandbox {name!r} is running: `sandbox down --name {name}` first")
         params = ClusterParams(base=base, backend=backend, prefill_pool_tokens=prefill_pool_tokens,
                                decode_pool_tokens=decode_pool_tokens, context_length=context_length,
+                               decode_context_length=decode_context_length,
                                page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                                waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env)
         params.validate()

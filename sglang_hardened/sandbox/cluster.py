@@ -25,6 +25,7 @@ from .env import SandboxEnv, SandboxError
 from .oracle import Reply, generate
 
 MARKER = "SGLANG_HARDENED_SANDBOX"
+BIND_FAILED = "address already in use"
 
 # CUDA graphs off: 0.5.19 and 0.5.23 name the flags differently.
 CUDA_GRAPHS_OFF = {
@@ -43,6 +44,7 @@ class ClusterParams:
     prefill_pool_tokens: int = 256
     decode_pool_tokens: int = 4096
     context_length: int = 1024
+    decode_context_length: int | None = None  # decode's own, to give the roles unequal input limits
     page_size: int = 1
     chunked_prefill_size: int | None = None
     waiting_timeout_s: int = 300
@@ -212,11 +214,15 @@ def _ports(wanted: list[int]) -> list[int]:
     return chosen
 
 
+def _context_length(p: ClusterParams, role: str) -> int:
+    return p.decode_context_length if role == "decode" and p.decode_context_length else p.context_length
+
+
 def _server_cmd(env: SandboxEnv, p: ClusterParams, model: Path, role: str, port: int) -> list[str]:
     cmd = [str(env.python), "-m", "sglang.launch_server", "--model-path", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
            "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "float32",
-           *CUDA_GRAPHS_OFF[p.base], "--context-length", str(p.context_length), "--page-size", str(p.page_size),
+           *CUDA_GRAPHS_OFF[p.base], "--context-length", str(_context_length(p, role)), "--page-size", str(p.page_size),
            "--disaggregation-mode", role, "--disaggregation-transfer-backend", BACKENDS[p.backend],
            # without it the CPU pool is sized from host RAM and decode is killed for memory
            "--max-total-tokens", str(p.prefill_pool_tokens if role == "prefill" else p.decode_pool_tokens)]
@@ -274,12 +280,27 @@ def _healthy(url: str) -> bool:
         return False
 
 
+class PortRace(SandboxError):
+    """A port picked free was taken before the server bound it (SGLang and Mooncake pick
+    their own internal ports at random, so the window cannot be closed from outside)."""
+
+
 def start(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s: float = 300.0) -> Cluster:
     """Start prefill, decode and mini-lb; return once a request through the lb succeeds.
 
     On any failure everything started is killed and SandboxError carries the
-    failing server's log tail.
+    failing server's log tail. A lost race for a port picked here is retried
+    once with fresh ports; a port the caller asked for is never swapped.
     """
+    try:
+        return _start_once(env, params, model, deadline_s)
+    except PortRace:
+        if params.prefill_port or params.decode_port or params.lb_port:
+            raise
+        return _start_once(env, params, model, deadline_s)
+
+
+def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s: float) -> Cluster:
     params.validate()
     if env.base != params.base:
         raise SandboxError(f"environment is for {env.base}, cluster asks for {params.base}")
@@ -326,6 +347,8 @@ def _wait(cluster: Cluster, names: list[str], deadline: float, ready: Callable[[
         for proc in cluster.procs.values():  # every server so far, not only those awaited
             if not _alive(proc.pid):
                 raise SandboxError(f"{proc.name} exited during start-up\n{cluster.log_tails()}")
+            if BIND_FAILED in cluster.log_tail(proc.name, 20):  # uvicorn may linger after it
+                raise PortRace(f"{proc.name} could not bind its port\n{cluster.log_tails()}")
         for name in list(pending):
             if ready(cluster.procs[name].url):
                 pending.remove(name)

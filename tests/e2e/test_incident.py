@@ -47,11 +47,9 @@ def test_hardened_refuses_the_incident_configuration_at_startup(start_cluster, b
         start_cluster(sandbox_env(base, hardened=True), **params)
 
 
-# Defence in depth behind H7: the same scenarios with H7's start-up check overridden.
-# Today decode still refuses the prefill at bootstrap (H7's second half has no
-# override), so the cluster does not come up: SandboxError is an expected failure too.
+# Defence in depth behind H7: the same scenarios with both H7 checks overridden.
 DEPTH = dict(extra_env=(f"{H7_OVERRIDE}=1",))
-DEPTH_XFAIL = dict(strict=True, raises=(AssertionError, SandboxError))
+DEPTH_XFAIL = dict(strict=True, raises=AssertionError)
 
 
 @pytest.mark.xfail(reason="acceptance of H1/H2/H3: hardened 0.5.19 must reject B without a leak", **DEPTH_XFAIL)

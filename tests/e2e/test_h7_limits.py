@@ -1,0 +1,37 @@
+"""H7 on real servers: unequal input limits across roles, and the operator's override."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_hardened.runtime.startup import OVERRIDE_ENV
+from sglang_hardened.sandbox.env import SandboxError
+
+from .conftest import sandbox_env
+from .scenarios import LEAK_PARAMS
+
+pytestmark = pytest.mark.e2e
+
+# Both pools hold their context, but decode's context (and so its input limit)
+# is twice prefill's: decode would admit prompts prefill cannot serve.
+UNEQUAL = dict(prefill_pool_tokens=600, decode_pool_tokens=4096, context_length=512,
+               decode_context_length=1024)
+
+
+def test_upstream_0523_serves_with_unequal_input_limits(start_cluster):
+    cluster = start_cluster(sandbox_env("0.5.23"), **UNEQUAL)  # ready = a request served through the lb
+    assert cluster.generate("the key " * 8).status == 200
+
+
+def test_hardened_0523_decode_refuses_a_prefill_with_a_lower_input_limit(start_cluster):
+    with pytest.raises(SandboxError, match=r"(?s)sglang-hardened H7: this decode accepts inputs up to \d+ "
+                                           r"tokens but the prefill at .* only up to \d+"):
+        start_cluster(sandbox_env("0.5.23", hardened=True), **UNEQUAL)
+
+
+def test_hardened_0519_override_starts_and_both_checks_say_so(start_cluster):
+    cluster = start_cluster(sandbox_env("0.5.19", hardened=True), **LEAK_PARAMS,
+                            extra_env=(f"{OVERRIDE_ENV}=1",))
+    assert f"Starting anyway: {OVERRIDE_ENV}=1 overrides this check" in cluster.log_tail("prefill", 400)
+    assert f"Serving anyway: {OVERRIDE_ENV}=1 overrides this check" in cluster.log_tail("decode", 400)
+    assert "sglang-hardened: sglang 0.5.19+hardened.1 carries H0 H7" in cluster.log_tail("prefill", 400)
