@@ -9,7 +9,6 @@ their ratio (goal: the build within 2x of the floor).
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import tempfile
 import time
@@ -20,7 +19,8 @@ from sglang_hardened.fetch import fetch_wheel
 from sglang_hardened.lock import get_pin
 from sglang_hardened.paths import patches_dir
 from sglang_hardened.series import load_series
-from sglang_hardened.table import format_table
+
+from floor_report import print_against_floor  # benchmarks/ is on sys.path when run as a script
 
 
 def floor(wheel: Path) -> float:
@@ -51,12 +51,8 @@ def main() -> None:
     for _ in range(args.repeat):
         floors.append(floor(wheel))
         builds.append(hardened(args.base))
-    f, b = statistics.median(floors), statistics.median(builds)
-    print(format_table(("what", "median s", "runs"), [
-        ("unzip + zip (floor)", f"{f:.2f}", " ".join(f"{x:.2f}" for x in floors)),
-        (f"build {args.base}", f"{b:.2f}", " ".join(f"{x:.2f}" for x in builds)),
-        ("ratio build/floor", f"{b / f:.2f}", "goal <= 2.00"),
-    ]))
+    print_against_floor("unzip + zip (floor)", floors, f"build {args.base}", builds,
+                        "ratio build/floor", "goal <= 2.00")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import tempfile
 import time
@@ -23,7 +22,8 @@ from pathlib import Path
 
 from sglang_hardened.build import build
 from sglang_hardened.image import build_image
-from sglang_hardened.table import format_table
+
+from floor_report import print_against_floor  # benchmarks/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parent.parent
 TAG = "localhost/sglang-hardened-bench:latest"
@@ -67,12 +67,8 @@ def main() -> None:
         for _ in range(args.repeat):
             floors.append(floor(base_image, wheels, Path(tmp)))
             builds.append(hardened(args.base, base_image, wheels))
-    f, b = statistics.median(floors), statistics.median(builds)
-    print(format_table(("what", "median s", "runs"), [
-        ("COPY + pip install (floor)", f"{f:.2f}", " ".join(f"{x:.2f}" for x in floors)),
-        (f"hardened image {args.base}", f"{b:.2f}", " ".join(f"{x:.2f}" for x in builds)),
-        ("ratio image/floor", f"{b / f:.2f}", "goal <= 1.25"),
-    ]))
+    print_against_floor("COPY + pip install (floor)", floors, f"hardened image {args.base}", builds,
+                        "ratio image/floor", "goal <= 1.25")
 
 
 if __name__ == "__main__":

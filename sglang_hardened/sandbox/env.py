@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import HardenedError
+from ..hashing import sha256_file
 from ..paths import cache_dir
 
 PINS = Path(__file__).with_name("pins")
@@ -41,14 +42,6 @@ def bases() -> list[str]:
 def _check_base(base: str) -> None:
     if base not in bases():
         raise SandboxError(f"unknown base {base!r}: the sandbox has pins for {', '.join(bases())}")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _key(*parts: bytes | str) -> str:

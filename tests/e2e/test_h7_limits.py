@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import urllib.request
+
 import pytest
 
+from sglang_hardened.paths import patches_dir
 from sglang_hardened.runtime.startup import OVERRIDE_ENV
 from sglang_hardened.sandbox.env import SandboxError
+from sglang_hardened.series import load_series
 
 from .conftest import sandbox_env
 from .scenarios import LEAK_PARAMS
@@ -30,8 +36,15 @@ def test_hardened_0523_decode_refuses_a_prefill_with_a_lower_input_limit(start_c
 
 
 def test_hardened_0519_override_starts_and_both_checks_say_so(start_cluster):
-    cluster = start_cluster(sandbox_env("0.5.19", hardened=True), **LEAK_PARAMS,
-                            extra_env=(f"{OVERRIDE_ENV}=1",))
+    env = sandbox_env("0.5.19", hardened=True)
+    cluster = start_cluster(env, **LEAK_PARAMS, extra_env=(f"{OVERRIDE_ENV}=1",))
     assert f"Starting anyway: {OVERRIDE_ENV}=1 overrides this check" in cluster.log_tail("prefill", 400)
     assert f"Serving anyway: {OVERRIDE_ENV}=1 overrides this check" in cluster.log_tail("decode", 400)
+    # H0 on a live server: the start-up line, /server_info, and sglang.__version__ itself.
     assert "sglang-hardened: sglang 0.5.19+hardened.1 carries H0 H7" in cluster.log_tail("prefill", 400)
+    with urllib.request.urlopen(f"{cluster.decode_url}/server_info", timeout=30) as reply:
+        hardening = json.load(reply)["hardening"]
+    assert hardening["hardened"] and hardening["hardening_ids"] == load_series(patches_dir(), "0.5.19").hardening_ids
+    version = subprocess.run([str(env.python), "-c", "import sglang; print(sglang.__version__)"],
+                             env=env.environ(), capture_output=True, text=True, timeout=300, cwd="/")
+    assert version.stdout.strip().splitlines()[-1] == "0.5.19+hardened.1", version.stderr[-2000:]
