@@ -27,10 +27,11 @@ from .oracle import Reply, generate
 MARKER = "SGLANG_HARDENED_SANDBOX"
 BIND_FAILED = "address already in use"
 
-# CUDA graphs off: 0.5.19 and 0.5.23 name the flags differently.
+# CUDA graphs off: 0.5.19 has only the disable flags; 0.5.20 on name backends.
+_BACKENDS_DISABLED = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
 CUDA_GRAPHS_OFF = {
     "0.5.19": ["--disable-prefill-cuda-graph", "--disable-decode-cuda-graph"],
-    "0.5.23": ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"],
+    **{base: _BACKENDS_DISABLED for base in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
 }
 BACKENDS = {"mooncake": "mooncake_tcp", "nixl": "nixl"}
 
