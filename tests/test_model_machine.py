@@ -95,16 +95,16 @@ def test_reuse_under_write_is_a_state_predicate() -> None:
     assert v.kind == "reuse-under-write" and "page 0 is allocated to r1" in v.message
 
 
+def _bootstrapped(m: Machine, s: State, r: int) -> State:
+    """Request r admitted on both roles, its decode pages allocated, bootstrapped."""
+    for action in ("prefill_admit", "decode_admit", "decode_alloc", "prefill_bootstrap"):
+        s = _step(m, s, action, r)
+    return s
+
+
 def _truncated_transfer_done(switches: frozenset[Switch]) -> tuple[Machine, State]:
     m = Machine(TRUNCATION, switches)
-    s = initial_state(TRUNCATION)
-    for action in (
-        "prefill_admit",
-        "decode_admit",
-        "decode_alloc",
-        "prefill_bootstrap",
-    ):
-        s = _step(m, s, action, 1)
+    s = _bootstrapped(m, initial_state(TRUNCATION), 1)
     for _ in range(2):
         for action in ("batch_start", "batch_land", "batch_return"):
             s = _step(m, s, action, 1)
@@ -132,14 +132,7 @@ def test_h1_rejects_and_h4_tells_decode() -> None:
 
 def test_decode_crash_keeps_page_contents_and_later_arrivals() -> None:
     m = Machine(ABORT_REUSE, ALL)
-    s = initial_state(ABORT_REUSE)
-    for action in (
-        "prefill_admit",
-        "decode_admit",
-        "decode_alloc",
-        "prefill_bootstrap",
-    ):
-        s = _step(m, s, action, 0)
+    s = _bootstrapped(m, initial_state(ABORT_REUSE), 0)
     s = _step(m, _step(m, s, "batch_start", 0), "batch_land", 0)
     crashed = _step(m, s, "decode_crash")
     assert crashed.free == (0, 1, 2, 3) and crashed.pages[0] == 0
