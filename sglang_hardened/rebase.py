@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,11 +22,12 @@ from .errors import HardenedError
 from .fetch import fetch_wheel, pin_release
 from .lock import UpstreamPin, add_pin, load_lock
 from .series import SERIES_NAME, Patch, Series, load_series
+from .unidiff import Files
+from .wheelfile import read_members
 
 APPLIES, OFFSET, MERGED, UPSTREAM, CONFLICT = (
     "applies", "applies with offset", "applies (3-way merge)", "already upstream", "conflict")
 
-Files = dict[str, str | None]  # path -> text, None where the file does not exist
 
 
 @dataclass
@@ -51,25 +51,6 @@ class RebaseResult:
     @property
     def clean(self) -> bool:
         return all(v.verdict != CONFLICT for v in self.verdicts)
-
-
-def _read(wheel: Path, names: set[str]) -> Files:
-    with zipfile.ZipFile(wheel) as zf:
-        present = set(zf.namelist())
-        return {n: zf.read(n).decode() if n in present else None for n in names}
-
-
-def _apply(files: Files, diff: str) -> tuple[Files, list[unidiff.FileResult]]:
-    """Apply `diff` to in-memory files (through a scratch dir: one applier, one behaviour)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for name, text in files.items():
-            if text is not None:
-                (root / name).parent.mkdir(parents=True, exist_ok=True)
-                (root / name).write_text(text)
-        results = unidiff.apply(root, diff)
-        after = {n: (root / n).read_text() if (root / n).is_file() else None for n in files}
-    return after, results
 
 
 def _merge3(current: str, base: str, other: str) -> tuple[str, bool]:
@@ -114,10 +95,10 @@ def carry(series: Series, old: Files, new: Files, today: dt.date) -> list[Verdic
     """Verdicts for each patch of `series`, carried from `old` files onto `new` files."""
     verdicts = []
     for patch in series.patches:
-        old_after, _ = _apply(old, patch.diff)
+        old_after, _ = unidiff.apply_to_files(old, patch.diff)
         failure = ""
         try:
-            new_after, results = _apply(new, patch.diff)
+            new_after, results = unidiff.apply_to_files(new, patch.diff)
         except HardenedError as exc:
             results, failure = None, str(exc).split(": ", 1)[-1]
         if results is not None and not any(r.already_applied for r in results):
@@ -154,8 +135,8 @@ def rebase(patches: Path, source: str, target: str, *, today: dt.date | None = N
     series = load_series(patches, source)
     pin = pins.get(target) or pin_release(target, pins[source])
     names = {fp.target for p in series.patches for fp in unidiff.parse(p.diff)}
-    old = _read(fetch_wheel(pins[source]), names)
-    new = _read(fetch_wheel(pin), names)
+    old = read_members(fetch_wheel(pins[source]), names)
+    new = read_members(fetch_wheel(pin), names)
     return RebaseResult(source, target, pin, carry(series, old, new, today or dt.date.today()))
 
 

@@ -8,6 +8,7 @@ at an offset" and "already applied" apart from a conflict.
 from __future__ import annotations
 
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from .errors import HardenedError
 
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 DEV_NULL = "/dev/null"
+Files = dict[str, str | None]  # path -> text, None where the file does not exist
 
 
 @dataclass
@@ -170,3 +172,16 @@ def apply(root: Path, diff: str, *, write: bool = True) -> list[FileResult]:
     check a series with the tree patched by the earlier patches (see verify).
     """
     return [apply_file(root, fp, write=write) for fp in parse(diff)]
+
+
+def apply_to_files(files: Files, diff: str) -> tuple[Files, list[FileResult]]:
+    """Apply `diff` to in-memory files (through a scratch dir: one applier, one behaviour)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for name, text in files.items():
+            if text is not None:
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                (root / name).write_text(text)
+        results = apply(root, diff)
+        after = {n: (root / n).read_text() if (root / n).is_file() else None for n in files}
+    return after, results

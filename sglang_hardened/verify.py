@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +10,7 @@ from .errors import HardenedError
 from .fetch import fetch_wheel
 from .lock import get_pin
 from .series import load_series
+from .wheelfile import read_members
 
 
 @dataclass(frozen=True)
@@ -26,14 +25,6 @@ class PatchStatus:
     @property
     def ok(self) -> bool:
         return self.status.startswith("ok")
-
-
-def _extract(wheel: Path, names: set[str], root: Path) -> None:
-    """Unpack only the files the series touches: a dry run need not unpack 40 MB."""
-    with zipfile.ZipFile(wheel) as zf:
-        present = set(zf.namelist())
-        for name in sorted(names & present):
-            zf.extract(name, root)
 
 
 def _describe(results: list[unidiff.FileResult]) -> str:
@@ -52,14 +43,13 @@ def verify_base(patches: Path, base: str) -> list[PatchStatus]:
     except HardenedError as exc:
         return [PatchStatus(base, "(series)", "-", f"FAILED: {exc}")]
     touched = {fp.target for p in series.patches for fp in unidiff.parse(p.diff)}
+    files = read_members(wheel, touched)  # a dry run need not unpack 40 MB
     rows = []
-    with tempfile.TemporaryDirectory(prefix="sglang-hardened-verify-") as tmp:
-        root = Path(tmp)
-        _extract(wheel, touched, root)
-        for patch in series.patches:
-            try:
-                status = _describe(unidiff.apply(root, patch.diff))
-            except HardenedError as exc:
-                status = f"FAILED: {exc}"
-            rows.append(PatchStatus(base, patch.name, patch.hardening_id, status))
+    for patch in series.patches:
+        try:
+            files, results = unidiff.apply_to_files(files, patch.diff)
+            status = _describe(results)
+        except HardenedError as exc:
+            status = f"FAILED: {exc}"
+        rows.append(PatchStatus(base, patch.name, patch.hardening_id, status))
     return rows

@@ -99,6 +99,13 @@ def _extract(wheel: Path, root: Path) -> None:
                 os.chmod(target, 0o755)
 
 
+def read_members(wheel: Path, names: set[str]) -> dict[str, str | None]:
+    """The text of a few files in a wheel (None for those it lacks), without unpacking it."""
+    with zipfile.ZipFile(wheel) as zf:
+        present = set(zf.namelist())
+        return {n: zf.read(n).decode() if n in present else None for n in names}
+
+
 @contextmanager
 def unpacked(wheel: Path, workdir: Path | None = None) -> Iterator[WheelTree]:
     """Unpack `wheel` into a temporary directory removed on exit, success or not."""
