@@ -27,8 +27,10 @@ from .wheelfile import read_members
 
 APPLIES, OFFSET, MERGED, UPSTREAM, CONFLICT = (
     "applies", "applies with offset", "applies (3-way merge)", "already upstream", "conflict")
-
-
+# Share of a patch's added code lines that must be in the new release for a
+# conflicting patch to count as already upstream: a backport differs from
+# upstream's change in a line or two where the old base lacked a helper.
+PRESENT_SHARE = 0.9
 
 @dataclass
 class Verdict:
@@ -91,6 +93,28 @@ def _header(patch: Patch, today: dt.date) -> str:
     return head.replace(f"Last-Update: {patch.headers['Last-Update']}", f"Last-Update: {today}")
 
 
+def _code_lines(lines: list[str]) -> list[str]:
+    """Stripped lines that carry code (no blanks, no comments)."""
+    return [t for t in (line.strip() for line in lines) if t and not t.startswith("#")]
+
+
+def change_present(patch: Patch, new: Files) -> bool:
+    """Whether upstream already made `patch`'s change, wherever it put it and however it
+    worded the comments: every definition the patch adds is in the new release, and
+    at least PRESENT_SHARE of its added code lines are."""
+    for fp in unidiff.parse(patch.diff):
+        added = _code_lines([line for h in fp.hunks for line in h.new if line not in h.old])
+        have = set(_code_lines((new.get(fp.target) or "").splitlines()))
+        if not added:
+            continue
+        missing = [line for line in added if line not in have]
+        if any(line.startswith(("def ", "class ")) for line in missing):
+            return False
+        if len(missing) > (1 - PRESENT_SHARE) * len(added):
+            return False
+    return True
+
+
 def carry(series: Series, old: Files, new: Files, today: dt.date) -> list[Verdict]:
     """Verdicts for each patch of `series`, carried from `old` files onto `new` files."""
     verdicts = []
@@ -113,10 +137,11 @@ def carry(series: Series, old: Files, new: Files, today: dt.date) -> list[Verdic
                     new_after[name] = merged
                 else:
                     rejects[name] = merged
-            if rejects:
-                verdict = Verdict(patch, CONFLICT, failure, rejects=rejects)
-            elif new_after == new:
+            if change_present(patch, new) if rejects else new_after == new:
+                new_after = dict(new)
                 verdict = Verdict(patch, UPSTREAM, "the change is present: dropped")
+            elif rejects:
+                verdict = Verdict(patch, CONFLICT, failure, rejects=rejects)
             else:
                 verdict = Verdict(patch, MERGED)
         if verdict.verdict in (APPLIES, OFFSET, MERGED):

@@ -3,32 +3,24 @@
 from __future__ import annotations
 
 import shutil
-import zipfile
 
 import pytest
 
 from sglang_hardened.build import build
-from sglang_hardened.fetch import fetch_wheel
 from sglang_hardened.lock import load_lock
-from sglang_hardened.rebase import CONFLICT, MERGED, OFFSET, UPSTREAM, make_diff, rebase, write_series
+from sglang_hardened.rebase import CONFLICT, MERGED, OFFSET, UPSTREAM, rebase, write_series
 from sglang_hardened.series import load_series
 from sglang_hardened.verify import verify_base
 
 H0 = "0001-h0-report-hardened-identity.patch"
 H7 = "0002-h7-refuse-kv-pool-smaller-than-context.patch"
 H7B = "0003-h7-refuse-decode-input-limit-above-prefill.patch"
-PREFILL = "sglang/srt/disaggregation/prefill.py"
-# Upstream's admission-time rejection (sgl-project/sglang#38935, first in 0.5.21),
-# exactly as 0.5.21 has it in PrefillBootstrapQueue.add.
-ADMISSION_CHECK = """        # Rejected at intake: `set_finish_with_abort` left the verdict in
-        # `to_finish`, which `finished()` does not read, and swapped the prompt
-        # for a one-token stub. Bootstrapping it costs a handshake, a metadata
-        # buffer and a forward pass before anything unwinds it.
-        if is_unadmitted_reject(req):
-            self.scheduler.retire_unadmitted_request(req)
-            return
-"""
-ADD = "    def add(self, req: Req, num_kv_heads: int) -> None:\n"
+# The backport of upstream's admission-time rejection (sgl-project/sglang#38935, 0.5.21).
+H1 = "0004-h1-reject-intake-aborted-requests-at-admission.patch"
+# Where 0.5.19 lacks a helper, its H1 variant uses the older call (a 3-way merge
+# carries that onto 0.5.20, whose hand-made variant uses the new helper).
+H1_0519_ONLY = "+        self.tree_cache.release_aborted_request(req.rid)"
+H1_0520_ONLY = "+        self._release_aborted_request(req)"
 
 
 # Why each verdict is the fact: 0.5.20 moved the seam's lines (offset only);
@@ -36,13 +28,16 @@ ADD = "    def add(self, req: Req, num_kv_heads: int) -> None:\n"
 # merge); 0.5.22 rewrote the /server_info dict (redact_watermark_secrets), so
 # H0 needs a human there, as it got one in 0.5.22's own series. H7's scheduler
 # context only moved; its bootstrap seams sit beside lines upstream changed
-# from 0.5.20 on (a clean 3-way merge).
-@pytest.mark.parametrize("target, verdict", [
-    ("0.5.20", OFFSET), ("0.5.21", MERGED), ("0.5.22", CONFLICT), ("0.5.23", CONFLICT)])
-def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdict, tmp_path):
+# from 0.5.20 on (a clean 3-way merge). H1 backports 0.5.21's change: a 3-way
+# merge onto 0.5.20, already upstream from 0.5.21 on.
+@pytest.mark.parametrize("target, verdict, h1", [
+    ("0.5.20", OFFSET, MERGED), ("0.5.21", MERGED, UPSTREAM), ("0.5.22", CONFLICT, UPSTREAM),
+    ("0.5.23", CONFLICT, UPSTREAM)])
+def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdict, h1, tmp_path):
     drop_base(target)
     result = rebase(tree_copy, "0.5.19", target)
-    assert {v.patch.name: v.verdict for v in result.verdicts} == {H0: verdict, H7: OFFSET, H7B: MERGED}
+    assert {v.patch.name: v.verdict for v in result.verdicts} == {
+        H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -51,8 +46,10 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdi
     written = write_series(tree_copy, result, force=False)
     carried = load_series(tree_copy, target)
     # The carried patches add what the ones hand-made for that base add.
-    assert [added_lines(p.diff) for p in carried.patches] == [
-        added_lines(p.diff) for p in load_series(patches, target).patches]
+    carried_lines = [added_lines(p.diff) for p in carried.patches]
+    if target == "0.5.20":
+        carried_lines[-1] = [H1_0520_ONLY if line == H1_0519_ONLY else line for line in carried_lines[-1]]
+    assert carried_lines == [added_lines(p.diff) for p in load_series(patches, target).patches]
     assert load_lock(tree_copy)[target] == result.pin
     assert all(row.ok for row in verify_base(tree_copy, target))
     [wheel], _ = build([target], tmp_path / "out", patches=tree_copy)
@@ -64,29 +61,16 @@ def added_lines(diff: str) -> list[str]:
             and line.strip("+ ")]
 
 
-def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_copy):
-    """A backport of upstream's own fix onto 0.5.20 is 'already upstream' on 0.5.21."""
-    with zipfile.ZipFile(fetch_wheel(load_lock(patches)["0.5.20"])) as zf:
-        before = zf.read(PREFILL).decode()
-    assert before.count(ADD) == 1
-    after = before.replace(ADD, ADD + ADMISSION_CHECK)
-    backport = tree_copy / "0.5.20" / "0002-h1-admission-rejection.patch"
-    backport.write_text(
-        "Description: Reject intake-rejected requests before bootstrap (test backport)\n"
-        "Hardening-Id: H1\nOrigin: backport, sgl-project/sglang#38935\n"
-        "Forwarded: not-needed\nLast-Update: 2026-11-30\n---\n"
-        + make_diff({PREFILL: before}, {PREFILL: after}))
-    with (tree_copy / "0.5.20" / "series").open("a") as fh:
-        fh.write(backport.name + "\n")
+def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy):
+    """0.5.20's H1 backport is 'already upstream' on 0.5.21: dropped and recorded."""
     shutil.rmtree(tree_copy / "0.5.21")
-
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
-        H0: MERGED, H7: OFFSET, H7B: OFFSET, backport.name: UPSTREAM}
+        H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
-    assert f"# dropped {backport.name}: Applied-Upstream: 0.5.21" in series_text
-    assert not (written / backport.name).exists()
+    assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
+    assert not (written / H1).exists()
     assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B]
 
 
