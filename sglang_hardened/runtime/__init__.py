@@ -5,3 +5,6 @@ hardening logic is written and tested once, whatever the base release.
 Nothing here may import SGLang at module level: a seam is called from
 inside SGLang's own import graph.
 """
+
+# Upstream's PD warm-up requests carry this bootstrap host: no peer, no transfer.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"

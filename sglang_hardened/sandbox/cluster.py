@@ -101,6 +101,14 @@ class Cluster:
     def generate(self, text: str, max_new_tokens: int = 8, timeout: float = 600.0) -> Reply:
         return generate(self.lb_url, text, max_new_tokens, timeout)
 
+    def used_tokens(self) -> dict[str, int]:
+        """KV tokens each server holds now (``/v1/loads``): the page accounting tests compare."""
+        used = {}
+        for role in ("prefill", "decode"):
+            with urllib.request.urlopen(f"{self.procs[role].url}/v1/loads", timeout=30) as reply:
+                used[role] = sum(load["num_used_tokens"] for load in json.load(reply)["loads"])
+        return used
+
     def log_tail(self, name: str, lines: int = 40) -> str:
         try:
             text = Path(self.procs[name].log).read_text(errors="replace")

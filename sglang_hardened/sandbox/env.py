@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,19 +230,56 @@ def default_overlay() -> Path:
     return root
 
 
-def wheels_for(base: str, hardened: bool) -> list[Path]:
+def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = ()) -> list[Path]:
     """The wheels a sandbox installs: pinned upstream SGLang, or the hardened build
-    of ``base`` plus the tool wheel whose runtime layer its patches import."""
+    of ``base`` plus the tool wheel whose runtime layer its patches import.
+
+    ``without`` leaves out the patches of those hardening ids, to show what the
+    layers behind them do alone. Builds land in a directory named by their hashes,
+    so concurrent runs (and checkouts) never replace a wheel another one installs.
+    """
     if not hardened:
         return [upstream_wheel(base)]
     from ..build import build
+    from ..paths import patches_dir
 
     _check_base(base)
-    out = cache_dir() / "hardened" / base
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    try:
-        [result], tool = build([base], out)
-    except HardenedError as e:
-        raise SandboxError(f"hardened build of {base} failed: {e}") from e
-    return [result.wheel, tool]
+    root = cache_dir() / "hardened"
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=f".{base}-") as tmp:
+        patches = _series_without(patches_dir(), base, without, Path(tmp) / "patches") if without else None
+        out = Path(tmp) / "out"
+        out.mkdir()
+        try:
+            [result], tool = build([base], out, patches=patches)
+        except HardenedError as e:
+            raise SandboxError(f"hardened build of {base} failed: {e}") from e
+        final = root / base / _key(sha256_file(result.wheel), sha256_file(tool))
+        if not final.exists():
+            final.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(out, final)
+            except OSError:
+                if not final.exists():
+                    raise
+    return [final / result.wheel.name, final / tool.name]
+
+
+def _series_without(patches: Path, base: str, ids: tuple[str, ...], dest: Path) -> Path:
+    """A copy of the patch tree whose ``base`` series leaves out the patches of ``ids``."""
+    from ..lock import LOCK_NAME
+    from ..series import SERIES_NAME, load_series
+
+    series = load_series(patches, base)
+    unknown = set(ids) - {p.hardening_id for p in series.patches}
+    if unknown:
+        raise SandboxError(f"{base}'s series has no patch for {', '.join(sorted(unknown))}")
+    dest.mkdir(parents=True)
+    shutil.copy(patches / LOCK_NAME, dest / LOCK_NAME)
+    shutil.copytree(patches / base, dest / base)
+    dropped = {p.name for p in series.patches if p.hardening_id in ids}
+    lines = (patches / base / SERIES_NAME).read_text().splitlines()
+    (dest / base / SERIES_NAME).write_text("".join(f"{line}\n" for line in lines if line.strip() not in dropped))
+    for name in dropped:
+        (dest / base / name).unlink()
+    return dest

@@ -69,10 +69,18 @@ def differential_check(send: Callable[[str], Reply], probe: str,
     A history is the list of prompts other tenants send first (repeat a prompt
     to cycle the server's free pages through it).
     """
-    verdict = Verdict({label: [] for label in histories})
+    return differential_checks(send, {"probe": probe}, histories, rounds)["probe"]
+
+
+def differential_checks(send: Callable[[str], Reply], probes: Mapping[str, str],
+                        histories: Mapping[str, Sequence[str]], rounds: int = 1) -> dict[str, Verdict]:
+    """``differential_check`` for several probes, sent in turn after each history: the
+    probes before a probe are the same after every history, so only the history differs."""
+    verdicts = {name: Verdict({label: [] for label in histories}) for name in probes}
     for _ in range(rounds):
         for label, prompts in histories.items():
             for p in prompts:
                 send(p)
-            verdict.replies[label].append(send(probe))
-    return verdict
+            for name, probe in probes.items():
+                verdicts[name].replies[label].append(send(probe))
+    return verdicts

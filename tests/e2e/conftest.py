@@ -10,20 +10,25 @@ import pytest
 from sglang_hardened.sandbox import cluster as sbc
 from sglang_hardened.sandbox.env import SandboxEnv, build_env, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
+from sglang_hardened.sandbox.oracle import Reply
+from sglang_hardened.table import format_table
 from tests.conftest import phase
 
 OVERLAY = Path(__file__).parents[1] / "cpu_overlay"
 PORTS_USED: list[int] = []  # every port a cluster of this session held
-_ENVS: dict[tuple[str, bool], SandboxEnv] = {}
+# (scenario, base, backend, build, status, seconds): upstream and hardened in the same run
+TIMINGS: list[tuple[str, str, str, str, int, float]] = []
+_ENVS: dict[tuple[str, bool, tuple[str, ...]], SandboxEnv] = {}
 
 
-def sandbox_env(base: str, hardened: bool = False) -> SandboxEnv:
-    """The environment for ``base``, upstream or hardened (built once per session)."""
-    key = (base, hardened)
+def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = ()) -> SandboxEnv:
+    """The environment for ``base``, upstream or hardened (built once per session);
+    ``without`` leaves those hardening ids' patches out of the hardened build."""
+    key = (base, hardened, without)
     if key not in _ENVS:
-        flavour = "hardened" if hardened else "upstream"
+        flavour = "hardened" + "".join(f" -{h}" for h in without) if hardened else "upstream"
         with phase(f"wheels {base} {flavour}"):
-            wheels = wheels_for(base, hardened)
+            wheels = wheels_for(base, hardened, without)
         with phase(f"env {base} {flavour}"):
             env = build_env(base, wheels, OVERLAY)
         with phase(f"model {base}"):
@@ -50,3 +55,16 @@ def start_cluster(request) -> Iterator[Callable[..., sbc.Cluster]]:
     yield _start
     for c in started:
         c.stop()
+
+
+def record_timing(scenario: str, base: str, backend: str, build: str, reply: Reply) -> None:
+    """Note how long a client waited for an answer, for the table at the end of the run."""
+    TIMINGS.append((scenario, base, backend, build, reply.status, reply.seconds))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if TIMINGS:
+        rows = [(s, base, backend, build, str(status), f"{seconds:.2f}")
+                for s, base, backend, build, status, seconds in sorted(set(TIMINGS))]
+        terminalreporter.write_line("\nclient waits (same run):")
+        terminalreporter.write_line(format_table(("scenario", "base", "backend", "build", "status", "seconds"), rows))

@@ -7,12 +7,18 @@ before 0.5.21, lets decode run over pages the transfer never wrote.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from sglang_hardened.sandbox.cluster import Cluster
-from sglang_hardened.sandbox.oracle import Reply, Verdict, differential_check, generate
+from sglang_hardened.runtime.startup import OVERRIDE_ENV as H7_OVERRIDE
+from sglang_hardened.sandbox.cluster import BACKENDS, Cluster
+from sglang_hardened.sandbox.env import bases
+from sglang_hardened.sandbox.oracle import Reply, Verdict, differential_checks, generate
 
 # Token counts are those of the sandbox tokenizer.
 TENANT_A = {"A1": "alpha tenant secret " * 60, "A2": "bravo decode value " * 60}  # 180 tokens: fits
@@ -27,6 +33,50 @@ LEAK_PARAMS = dict(prefill_pool_tokens=256, decode_pool_tokens=1200, context_len
 TIMEOUT_PARAMS = dict(prefill_pool_tokens=256, decode_pool_tokens=4096, context_length=1024,
                       waiting_timeout_s=15)
 
+# CI runs every scenario on CORE and one on each other base and backend (EDGE);
+# SGLANG_HARDENED_E2E_MATRIX=full runs every scenario everywhere (tests/e2e/README.md).
+MATRIX_ENV = "SGLANG_HARDENED_E2E_MATRIX"
+FULL_MATRIX = os.environ.get(MATRIX_ENV) == "full"
+CORE = [("0.5.19", "mooncake"), ("0.5.23", "mooncake")]
+EVERYWHERE = [(base, backend) for base in bases() for backend in BACKENDS]
+EDGE = [("0.5.20", "mooncake"), ("0.5.21", "mooncake"), ("0.5.22", "mooncake"), ("0.5.19", "nixl"), ("0.5.23", "nixl")]
+
+
+def core() -> list[tuple[str, str]]:
+    """(base, backend) pairs that run every scenario."""
+    return EVERYWHERE if FULL_MATRIX else CORE
+
+
+def edge() -> list[tuple[str, str]]:
+    """The pairs that run one scenario only (none in the full matrix: they run them all)."""
+    return [] if FULL_MATRIX else EDGE
+
+
+# Defence in depth behind H7 (which refuses these configurations at start-up):
+# the same clusters with both H7 checks overridden.
+DEPTH = dict(extra_env=(f"{H7_OVERRIDE}=1",))
+
+
+def prompt_of(tokens: int) -> str:
+    """A prompt of exactly ``tokens`` sandbox-tokenizer tokens ("the", " key", ..., " ")."""
+    pairs, odd = divmod(tokens - 1, 2)
+    return "the key " * pairs + ("the " if odd else "")
+
+
+# Prefill's input limit with a 256-token pool is min(1024 - 1, 256 - 1) - 5 = 250;
+# upstream rejects a prompt of >= 250 tokens, so 249 is the longest it takes.
+AT_LIMIT, OVER_LIMIT = prompt_of(249), prompt_of(250)
+CHUNKED = prompt_of(201)  # four 64-token chunks: needs chunked prefill, fits the pool
+BOUNDARY_PARAMS = dict(**LEAK_PARAMS, chunked_prefill_size=64)
+
+# The roles disagree on the prompt: --allow-auto-truncate with prefill's input
+# limit (min(511, 1023) - 5 = 506) below decode's (1018), pages of 16 tokens.
+# OVERSIZED_B (601 tokens) ends 6 pages later on decode than on prefill;
+# SAME_PAGE (509) ends in the same page on both (only decode's own check sees it).
+TRUNC_PARAMS = dict(prefill_pool_tokens=1024, decode_pool_tokens=1200, context_length=512,
+                    decode_context_length=1024, page_size=16, extra_flags=("--allow-auto-truncate",))
+SAME_PAGE = prompt_of(509)
+
 
 @dataclass
 class LeakObservation:
@@ -34,13 +84,34 @@ class LeakObservation:
     control: Verdict  # probe C (fits) after the same histories
 
 
-def observe_leak(cluster: Cluster) -> LeakObservation:
+def observe_probes(cluster: Cluster, probes: dict[str, str]) -> dict[str, Verdict]:
+    """Each probe after tenant A1's and A2's histories (two rounds): enough A requests
+    to cycle decode's whole free list, so unwritten pages hold A's KV, not zeros."""
     repeats = math.ceil(cluster.params.decode_pool_tokens / A_TOKENS) + 1
     histories = {label: [prompt] * repeats for label, prompt in TENANT_A.items()}
-    return LeakObservation(
-        oversized=differential_check(cluster.generate, OVERSIZED_B, histories, rounds=2),
-        control=differential_check(cluster.generate, FITTING_C, histories, rounds=2),
-    )
+    return differential_checks(cluster.generate, probes, histories, rounds=2)
+
+
+def observe_leak(cluster: Cluster) -> LeakObservation:
+    v = observe_probes(cluster, {"oversized": OVERSIZED_B, "control": FITTING_C})
+    return LeakObservation(oversized=v["oversized"], control=v["control"])
+
+
+def replies(verdict: Verdict) -> list[Reply]:
+    return [r for rs in verdict.replies.values() for r in rs]
+
+
+def prompt_tokens(reply: Reply) -> int:
+    return json.loads(reply.body)["meta_info"]["prompt_tokens"]
+
+
+def wait_pages_idle(cluster: Cluster, idle: dict[str, int], timeout_s: float = 60.0) -> dict[str, int]:
+    """Wait until both roles hold as many KV tokens as before the scenario (no page
+    leaked); a page held for a deferred release comes back within its timeout."""
+    deadline = time.monotonic() + timeout_s
+    while (used := cluster.used_tokens()) != idle and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return used
 
 
 @dataclass
@@ -49,9 +120,24 @@ class TimeoutObservation:
     via_lb: Reply  # B through mini-lb (prefill and decode)
 
 
+def _bootstrap(cluster: Cluster) -> dict:
+    """The fields a load balancer adds: where decode meets prefill, and a fresh room."""
+    return {"bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.bootstrap_port,
+            "bootstrap_room": random.getrandbits(62)}
+
+
+def observe_pair(cluster: Cluster, prompt: str) -> tuple[Reply, Reply]:
+    """What prefill and decode each answer to one request sent to both, as a load balancer
+    does (mini-lb shows the client decode's answer only)."""
+    bootstrap = _bootstrap(cluster)
+    timeout = cluster.params.waiting_timeout_s * 4 + 60
+    with ThreadPoolExecutor(2) as pool:
+        prefill, decode = (pool.submit(generate, url, prompt, extra=bootstrap, timeout=timeout)
+                           for url in (cluster.prefill_url, cluster.decode_url))
+        return prefill.result(), decode.result()
+
+
 def observe_oversized_via_lb(cluster: Cluster) -> TimeoutObservation:
-    bootstrap = {"bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.bootstrap_port,
-                 "bootstrap_room": random.getrandbits(62)}
-    at_prefill = generate(cluster.prefill_url, OVERSIZED_B, extra=bootstrap, timeout=60)
+    at_prefill = generate(cluster.prefill_url, OVERSIZED_B, extra=_bootstrap(cluster), timeout=60)
     via_lb = cluster.generate(OVERSIZED_B, timeout=cluster.params.waiting_timeout_s * 4 + 60)
     return TimeoutObservation(at_prefill, via_lb)

@@ -1,0 +1,102 @@
+"""H3: decode never decodes over KV pages its own transfer did not write.
+
+Decode allocates pages for the prompt as it sees it and reads every one of
+them; prefill writes the pages for the prompt as *it* saw it. Upstream
+checks only that the metadata came from the right room, so when the two
+differ (0.5.19's one-token placeholder for an oversized prompt, or
+`--allow-auto-truncate` with different input limits on the two roles) decode
+reads pages still holding earlier requests' KV, with no error.
+
+Prefill stamps, next to the room in the request's metadata row (spare slots
+of the same transferred buffer, as upstream reuses spare `cached_tokens`
+slots), how many prompt tokens it computed KV for; decode compares that with
+its own prompt length before the request's first decode step and refuses a
+request whose pages the transfer did not all cover. No stamp (an unhardened
+prefill) is a refusal too. The sender side fails a transfer outright when
+decode expects more pages than prefill will send.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import FAKE_BOOTSTRAP_HOST
+
+# Slots 1 and 2 of the metadata's bootstrap_room row (slot 0 is the room).
+STAMP_MAGIC = 0x4833_434F_5645_5231  # "H3COVER1": tells a stamp from a zeroed or stale slot
+MAGIC_SLOT, TOKENS_SLOT = 1, 2
+
+log = logging.getLogger("sglang_hardened")
+refused_total = 0  # requests decode refused for uncovered pages, in this process
+
+
+def stamp(row, req) -> None:
+    """Seam in prefill's `MetadataBuffers.set_buf`: state the prompt tokens this transfer covers."""
+    row[MAGIC_SLOT] = STAMP_MAGIC
+    row[TOKENS_SLOT] = len(req.origin_input_ids)
+
+
+def uncovered_reason(req, row) -> str | None:
+    """Why decode must not read `req`'s pages after this transfer, or None when they are covered."""
+    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+        return None
+    decode_tokens = len(req.origin_input_ids)
+    if int(row[MAGIC_SLOT]) != STAMP_MAGIC:
+        return (f"sglang-hardened H3: request {req.rid} (room {req.bootstrap_room}): the prefill did "
+                f"not state how many prompt tokens its transfer covers (an unhardened prefill?), "
+                f"so {decode_tokens} tokens of KV cannot be trusted; refused before decoding")
+    prefill_tokens = int(row[TOKENS_SLOT])
+    if prefill_tokens == decode_tokens:
+        return None
+    return (f"sglang-hardened H3: request {req.rid} (room {req.bootstrap_room}): prefill computed KV "
+            f"for {prefill_tokens} prompt tokens but this decode holds the prompt as {decode_tokens} "
+            f"tokens, so some of its pages were not written by this request's transfer; refused "
+            f"before decoding. Usual cause: different input limits or --allow-auto-truncate on the "
+            f"two roles")
+
+
+def refuse_uncovered(decode_req, row) -> bool:
+    """Seam in decode's `_commit_transfer_to_req`, after upstream's room check: abort an
+    uncovered request the way upstream aborts a room mismatch (True: caller returns)."""
+    global refused_total
+    reason = uncovered_reason(decode_req.req, row)
+    if reason is None:
+        return False
+    from http import HTTPStatus
+
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    refused_total += 1
+    log.error("%s (refused so far: %d)", reason, refused_total)
+    prepare_abort(decode_req.req, reason, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+    decode_req.kv_receiver.clear()
+    decode_req.kv_receiver = None
+    return True
+
+
+def sender_shortfall(kv_chunk, dst_pages: int) -> str | None:
+    """Why a last chunk leaves decode pages unwritten (decode expects more pages than
+    prefill sends; upstream trims only the other direction), or None."""
+    sent = kv_chunk.index_slice.stop
+    if not kv_chunk.is_last_chunk or sent is None or sent >= dst_pages:
+        return None
+    return (f"sglang-hardened H3: room {kv_chunk.room}: decode expects {dst_pages} pages but prefill "
+            f"sends {sent}; the transfer is failed rather than leave decode pages unwritten")
+
+
+def fail_short_transfer(manager, kv_chunk, dst, prefill_rank: int | None = None) -> bool:
+    """Seam in the Mooncake transfer worker, per destination: fail the room (and tell decode)
+    the way the base fails a transfer, when this chunk leaves decode pages unwritten."""
+    reason = sender_shortfall(kv_chunk, len(dst.dst_kv_indices))
+    if reason is None:
+        return False
+    log.error(reason)
+    if prefill_rank is None:  # 0.5.20 on: one call records, marks Failed and tells decode
+        manager.conclude_failure(bootstrap_room=kv_chunk.room, failure_reason=reason)
+        return True
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    manager.record_failure(kv_chunk.room, reason)
+    manager.update_status(kv_chunk.room, KVPoll.Failed)
+    manager.sync_status_to_decode_endpoint(dst.endpoint, dst.dst_port, dst.room, KVPoll.Failed, prefill_rank)
+    return True

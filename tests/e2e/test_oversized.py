@@ -1,0 +1,124 @@
+"""Oversized and boundary-length prompts on hardened builds (H1 H2 H3 H4), against upstream.
+
+Every hardened cluster here overrides H7 (which refuses these configurations
+at start-up), to prove the layers behind it. After each scenario both roles
+must hold exactly the KV tokens they held before it (no page leaked).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import phase
+
+from .conftest import record_timing, sandbox_env
+from .scenarios import (
+    AT_LIMIT,
+    BOUNDARY_PARAMS,
+    CHUNKED,
+    DEPTH,
+    FITTING_C,
+    LEAK_PARAMS,
+    OVER_LIMIT,
+    OVERSIZED_B,
+    SAME_PAGE,
+    TIMEOUT_PARAMS,
+    TRUNC_PARAMS,
+    core,
+    edge,
+    observe_oversized_via_lb,
+    observe_pair,
+    observe_probes,
+    prompt_tokens,
+    replies,
+    wait_pages_idle,
+)
+
+pytestmark = pytest.mark.e2e
+
+PREFILL_LIMIT_MESSAGE = "exceeds the maximum allowed length (250 tokens)"
+PROMPT = 2.0  # seconds: the client gets prefill's error through mini-lb in under this
+
+
+@pytest.mark.parametrize("base,backend", core())
+def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
+    """H1/H4: an over-limit prompt gets prefill's 400 at once through mini-lb, from prefill's
+    own message; the longest accepted prompt and a chunked one are served and history-free."""
+    cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **BOUNDARY_PARAMS, **DEPTH)
+    idle = cluster.used_tokens()
+    with phase(f"scenario boundaries {base} hardened {backend}"):
+        v = observe_probes(cluster, {"oversized": OVERSIZED_B, "over_limit": OVER_LIMIT,
+                                     "at_limit": AT_LIMIT, "chunked": CHUNKED, "control": FITTING_C})
+    for name in ("oversized", "over_limit"):
+        for r in replies(v[name]):
+            record_timing(f"{name} via mini-lb", base, backend, "hardened", r)
+            assert r.status == 400 and PREFILL_LIMIT_MESSAGE in r.body, (name, r)
+            assert r.seconds < PROMPT, (name, r.seconds)
+    for name, tokens in (("at_limit", 249), ("chunked", 201), ("control", 81)):
+        assert all(r.status == 200 and prompt_tokens(r) == tokens for r in replies(v[name])), v[name].replies
+        assert not v[name].leaked, (name, v[name].replies)
+    assert wait_pages_idle(cluster, idle) == idle
+
+
+@pytest.mark.parametrize("base,backend", core())
+def test_upstream_truncation_with_unequal_limits_reads_other_tenants_kv(start_cluster, base, backend):
+    """H3's bug on every base: prefill truncates to its limit, decode keeps the whole prompt
+    and decodes over pages no transfer wrote for it, behind a 200."""
+    cluster = start_cluster(sandbox_env(base), backend=backend, **TRUNC_PARAMS)
+    with phase(f"scenario truncation {base} upstream {backend}"):
+        v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE})
+    print({name: {label: v[name].outputs(label) for label in v[name].replies} for name in v})
+    assert all(r.status == 200 for name in v for r in replies(v[name]))
+    assert v["pages_apart"].leaked
+
+
+@pytest.mark.parametrize("base,backend", core())
+def test_hardened_truncation_with_unequal_limits_is_refused(start_cluster, base, backend):
+    """H3: the sender fails a transfer that leaves decode pages unwritten; decode refuses a
+    prompt whose length differs from prefill's even within one page. No leak, no 200."""
+    cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **TRUNC_PARAMS, **DEPTH)
+    idle = cluster.used_tokens()
+    with phase(f"scenario truncation {base} hardened {backend}"):
+        v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE,
+                                     "control": FITTING_C})
+    # Pages apart, decode learns of the failed transfer from prefill (by status, or H4's
+    # note of prefill's error, whichever comes first); in one page, from its own check.
+    assert all(r.status == 500 for r in replies(v["pages_apart"])), v["pages_apart"].replies
+    assert all(r.status == 500 and "sglang-hardened H3" in r.body for r in replies(v["same_page"])), v["same_page"].replies
+    assert all(r.status == 200 for r in replies(v["control"])) and not v["control"].leaked
+    assert wait_pages_idle(cluster, idle) == idle
+    assert "sends 32" in cluster.log_tail("prefill", 2000)  # the sender's own check fired
+    assert "holds the prompt as 509 tokens" in cluster.log_tail("decode", 2000)
+
+
+def test_hardened_0519_without_h1_decode_still_never_reads_unwritten_pages(start_cluster):
+    """H3 (with H2, H4) behind a missing H1: 0.5.19's one-token placeholder is sent, and
+    decode, whose prompt is 601 tokens, neither answers 200 nor shows another tenant's KV."""
+    cluster = start_cluster(sandbox_env("0.5.19", hardened=True, without=("H1",)), **LEAK_PARAMS, **DEPTH)
+    idle = cluster.used_tokens()
+    with phase("scenario leak 0.5.19 hardened without H1"):
+        v = observe_probes(cluster, {"oversized": OVERSIZED_B})
+    assert all(r.status in (400, 500) for r in replies(v["oversized"])), v["oversized"].replies
+    assert not v["oversized"].leaked
+    assert wait_pages_idle(cluster, idle) == idle
+
+
+def test_hardened_0519_h2_alone_reports_the_pending_400(start_cluster):
+    """H2 with neither H1 nor H3: the placeholder's transfer succeeds, and prefill answers
+    with the pending 400 instead of the 200 upstream 0.5.19 gives."""
+    cluster = start_cluster(sandbox_env("0.5.19", hardened=True, without=("H1", "H3")), **TIMEOUT_PARAMS, **DEPTH)
+    at_prefill, _ = observe_pair(cluster, OVERSIZED_B)
+    assert at_prefill.status == 400 and PREFILL_LIMIT_MESSAGE in at_prefill.body, at_prefill
+
+
+@pytest.mark.parametrize("base,backend", edge())
+def test_hardened_oversized_prompt_error_reaches_client_at_once(start_cluster, base, backend):
+    """H1/H4 where upstream makes the client wait for decode's waiting timeout."""
+    cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **TIMEOUT_PARAMS, **DEPTH)
+    idle = cluster.used_tokens()
+    obs = observe_oversized_via_lb(cluster)
+    record_timing("oversized via mini-lb", base, backend, "hardened", obs.via_lb)
+    assert obs.at_prefill.status == 400
+    assert obs.via_lb.status == 400 and PREFILL_LIMIT_MESSAGE in obs.via_lb.body, obs.via_lb
+    assert obs.via_lb.seconds < PROMPT
+    assert wait_pages_idle(cluster, idle) == idle

@@ -1,0 +1,98 @@
+"""H3's and H4's bookkeeping on their own; tests/e2e/test_oversized.py shows them in real servers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_hardened.runtime import FAKE_BOOTSTRAP_HOST, coverage, outcomes
+from sglang_hardened.runtime.outcomes import OutcomeLog, Verdicts
+
+
+def test_outcome_log_long_poll_wakes_on_a_new_outcome():
+    log = OutcomeLog()
+    seq, items = log.since(-1)
+    assert (seq, items) == (0, [])
+    threading.Timer(0.2, log.add, args=(7, 400, "too long")).start()
+    start = time.monotonic()
+    seq, items = log.since(0, wait_s=5)
+    assert time.monotonic() - start < 2, "the poll returns when an outcome arrives, not at its deadline"
+    assert seq == 1 and [(o.room, o.status, o.message) for o in items] == [(7, 400, "too long")]
+    assert log.since(1)[1] == [], "an outcome is delivered once to a poller that keeps its place"
+
+
+def test_outcome_log_forgets_what_is_older_than_its_window(monkeypatch):
+    log = OutcomeLog()
+    log.add(1, 400, "old")
+    monkeypatch.setattr(outcomes, "RETAIN_S", -1.0)
+    assert log.since(-1)[1] == []
+
+
+def test_verdicts_are_bounded_and_keyed_by_room(monkeypatch):
+    monkeypatch.setattr(outcomes, "RETAIN_MAX", 3)
+    verdicts = Verdicts()
+    verdicts.add([outcomes.Outcome(0, room, 400, f"m{room}", 0.0) for room in range(5)])
+    assert verdicts.get(0) is None and verdicts.get(1) is None
+    assert verdicts.get(4).message == "m4" and verdicts.get(None) is None
+
+
+def _prefill_manager(mode="prefill"):
+    return SimpleNamespace(disaggregation_mode=SimpleNamespace(value=mode))
+
+
+@pytest.mark.parametrize("mode, reason, noted", [
+    ("prefill", {"type": "abort", "status_code": 400, "message": "too long"}, True),
+    ("prefill", {"type": "length", "length": 8}, False),  # a success is not an outcome to push
+    ("decode", {"type": "abort", "status_code": 400, "message": "too long"}, False),
+])
+def test_only_prefill_aborts_are_noted(monkeypatch, mode, reason, noted):
+    monkeypatch.setattr(outcomes, "OUTCOMES", OutcomeLog())
+    obj = SimpleNamespace(bootstrap_room=42)
+    outcomes.note_prefill_finish(_prefill_manager(mode), obj, {"meta_info": {"finish_reason": reason}})
+    items = outcomes.OUTCOMES.since(-1)[1]
+    assert [(o.room, o.status) for o in items] == ([(42, 400)] if noted else [])
+
+
+def test_decode_answers_with_prefills_status_and_message_for_that_room_only(monkeypatch):
+    verdicts = Verdicts()
+    verdicts.add([outcomes.Outcome(0, 9, 400, "Input length (601 tokens) exceeds ...", 0.0)])
+    monkeypatch.setattr(outcomes, "VERDICTS", verdicts)
+    assert outcomes.prefill_verdict(SimpleNamespace(bootstrap_room=9), "transfer failed", 500) == (
+        "Input length (601 tokens) exceeds ...", 400)
+    assert outcomes.prefill_verdict(SimpleNamespace(bootstrap_room=8), "transfer failed", 500) == (
+        "transfer failed", 500)
+
+
+def _req(tokens: int, host: str = "127.0.0.1"):
+    return SimpleNamespace(origin_input_ids=[1] * tokens, rid="r1", bootstrap_room=5, bootstrap_host=host)
+
+
+def test_stamp_then_check_passes_only_for_the_same_prompt_length():
+    row = [5, 0, 0, 0, 0, 0, 0, 0]
+    coverage.stamp(row, _req(506))
+    assert coverage.uncovered_reason(_req(506), row) is None
+    reason = coverage.uncovered_reason(_req(509), row)
+    assert "prefill computed KV for 506 prompt tokens" in reason and "as 509 tokens" in reason
+
+
+def test_no_stamp_is_a_refusal_but_warm_up_requests_carry_none():
+    row = [5, 0, 0, 0, 0, 0, 0, 0]  # what an unhardened prefill sends
+    assert "did not state how many prompt tokens" in coverage.uncovered_reason(_req(10), row)
+    assert coverage.uncovered_reason(_req(10, host=FAKE_BOOTSTRAP_HOST), row) is None
+
+
+@pytest.mark.parametrize("last, stop, dst, short", [
+    (True, 32, 38, True),    # decode allocated 6 more pages than prefill sends
+    (True, 38, 38, False),
+    (True, 38, 32, False),   # the other direction is upstream's own trim
+    (False, 16, 38, False),  # not the last chunk: more pages will come
+])
+def test_sender_shortfall_only_on_a_short_last_chunk(last, stop, dst, short):
+    chunk = SimpleNamespace(is_last_chunk=last, index_slice=slice(0, stop), room=3)
+    reason = coverage.sender_shortfall(chunk, dst)
+    assert (reason is not None) == short
+    if short:
+        assert f"decode expects {dst} pages but prefill sends {stop}" in reason
