@@ -17,6 +17,9 @@ H7 = "0002-h7-refuse-kv-pool-smaller-than-context.patch"
 H7B = "0003-h7-refuse-decode-input-limit-above-prefill.patch"
 # The backport of upstream's admission-time rejection (sgl-project/sglang#38935, 0.5.21).
 H1 = "0004-h1-reject-intake-aborted-requests-at-admission.patch"
+H2 = "0005-h2-no-success-over-pending-abort.patch"
+H3 = "0006-h3-refuse-decode-over-unwritten-pages.patch"
+H4 = "0007-h4-end-request-on-decode-when-prefill-ends-it.patch"
 # Where 0.5.19 lacks a helper, its H1 variant uses the older call (a 3-way merge
 # carries that onto 0.5.20, whose hand-made variant uses the new helper).
 H1_0519_ONLY = "+        self.tree_cache.release_aborted_request(req.rid)"
@@ -29,15 +32,18 @@ H1_0520_ONLY = "+        self._release_aborted_request(req)"
 # H0 needs a human there, as it got one in 0.5.22's own series. H7's scheduler
 # context only moved; its bootstrap seams sit beside lines upstream changed
 # from 0.5.20 on (a clean 3-way merge). H1 backports 0.5.21's change: a 3-way
-# merge onto 0.5.20, already upstream from 0.5.21 on.
-@pytest.mark.parametrize("target, verdict, h1", [
-    ("0.5.20", OFFSET, MERGED), ("0.5.21", MERGED, UPSTREAM), ("0.5.22", CONFLICT, UPSTREAM),
-    ("0.5.23", CONFLICT, UPSTREAM)])
-def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdict, h1, tmp_path):
+# merge onto 0.5.20, already upstream from 0.5.21 on. H2's line gained a
+# neighbour in 0.5.22 (routed experts): a human made that base's variant.
+# H3's and H4's seams sit beside lines upstream keeps changing (3-way merges).
+@pytest.mark.parametrize("target, verdict, h1, h2", [
+    ("0.5.20", OFFSET, MERGED, MERGED), ("0.5.21", MERGED, UPSTREAM, MERGED),
+    ("0.5.22", CONFLICT, UPSTREAM, CONFLICT), ("0.5.23", CONFLICT, UPSTREAM, CONFLICT)])
+def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdict, h1, h2, tmp_path):
     drop_base(target)
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
-        H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1}
+        H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED,
+        H4: OFFSET if target == "0.5.20" else MERGED}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -48,7 +54,7 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdi
     # The carried patches add what the ones hand-made for that base add.
     carried_lines = [added_lines(p.diff) for p in carried.patches]
     if target == "0.5.20":
-        carried_lines[-1] = [H1_0520_ONLY if line == H1_0519_ONLY else line for line in carried_lines[-1]]
+        carried_lines[3] = [H1_0520_ONLY if line == H1_0519_ONLY else line for line in carried_lines[3]]
     assert carried_lines == [added_lines(p.diff) for p in load_series(patches, target).patches]
     assert load_lock(tree_copy)[target] == result.pin
     assert all(row.ok for row in verify_base(tree_copy, target))
@@ -66,12 +72,12 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy):
     shutil.rmtree(tree_copy / "0.5.21")
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
-        H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM}
+        H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / H1).exists()
-    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B]
+    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4]
 
 
 def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree_copy, tmp_path):
@@ -83,8 +89,9 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert "conflict" in done.stdout and "needs a human" in done.stderr
     assert not (tree_copy / "0.5.23").exists()
     assert (tree_copy / "upstream.lock").read_text() == lock_before
-    [rej] = list(rejects.iterdir())
-    assert H0 in rej.name and "<<<<<<<" in rej.read_text()
+    rejected = sorted(rejects.iterdir())
+    assert [r.name.split(".", 1)[0] for r in rejected] == [H0.removesuffix(".patch"), H2.removesuffix(".patch")]
+    assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 
 def test_existing_series_is_not_overwritten_without_force(run_cli, tree_copy):

@@ -84,19 +84,20 @@ def sender_shortfall(kv_chunk, dst_pages: int) -> str | None:
             f"sends {sent}; the transfer is failed rather than leave decode pages unwritten")
 
 
-def fail_short_transfer(manager, kv_chunk, dst, prefill_rank: int | None = None) -> bool:
-    """Seam in the Mooncake transfer worker, per destination: fail the room (and tell decode)
-    the way the base fails a transfer, when this chunk leaves decode pages unwritten."""
+def fail_short_transfer(manager, kv_chunk, dst) -> bool:
+    """Seam in the Mooncake transfer worker, per destination: fail the room the way the base
+    fails a transfer, when this chunk would leave decode pages unwritten (True: skip it)."""
     reason = sender_shortfall(kv_chunk, len(dst.dst_kv_indices))
     if reason is None:
         return False
     log.error(reason)
-    if prefill_rank is None:  # 0.5.20 on: one call records, marks Failed and tells decode
+    if hasattr(manager, "conclude_failure"):  # 0.5.20 on: records, marks Failed, tells decode
         manager.conclude_failure(bootstrap_room=kv_chunk.room, failure_reason=reason)
         return True
+    # 0.5.19: prefill fails the request (its client gets the reason); decode hears of it
+    # through H4, or its waiting timeout, and never sees the room succeed.
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     manager.record_failure(kv_chunk.room, reason)
     manager.update_status(kv_chunk.room, KVPoll.Failed)
-    manager.sync_status_to_decode_endpoint(dst.endpoint, dst.dst_port, dst.room, KVPoll.Failed, prefill_rank)
     return True

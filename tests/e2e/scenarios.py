@@ -34,7 +34,7 @@ TIMEOUT_PARAMS = dict(prefill_pool_tokens=256, decode_pool_tokens=4096, context_
                       waiting_timeout_s=15)
 
 # CI runs every scenario on CORE and one on each other base and backend (EDGE);
-# SGLANG_HARDENED_E2E_MATRIX=full runs every scenario everywhere (tests/e2e/README.md).
+# SGLANG_HARDENED_E2E_MATRIX=full runs every scenario everywhere (README, docs/e2e-matrix.md).
 MATRIX_ENV = "SGLANG_HARDENED_E2E_MATRIX"
 FULL_MATRIX = os.environ.get(MATRIX_ENV) == "full"
 CORE = [("0.5.19", "mooncake"), ("0.5.23", "mooncake")]

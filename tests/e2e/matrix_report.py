@@ -1,0 +1,47 @@
+"""Render a junit XML of tests/e2e/test_oversized.py as the matrix table in docs/e2e-matrix.md."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from sglang_hardened.table import format_table
+
+_CASE = re.compile(r"^(test_\w+)\[(0\.5\.\d+)-(\w+)\]$")
+
+
+def outcomes(junit: Path) -> dict[tuple[str, str, str], str]:
+    """(test, base, backend) -> 'pass (Ns)' / 'FAIL (Ns)' / 'skip' for each parametrised case."""
+    found = {}
+    for case in ET.parse(junit).iter("testcase"):
+        m = _CASE.match(case.get("name", ""))
+        if not m:
+            continue
+        seconds = float(case.get("time", 0))
+        if case.find("skipped") is not None:
+            verdict = "skip"
+        elif case.find("failure") is not None or case.find("error") is not None:
+            verdict = f"FAIL ({seconds:.0f}s)"
+        else:
+            verdict = f"pass ({seconds:.0f}s)"
+        found[m.groups()] = verdict
+    return found
+
+
+def render(found: dict[tuple[str, str, str], str]) -> str:
+    pairs = sorted({(base, backend) for _, base, backend in found})
+    tests = sorted({test for test, _, _ in found})
+    rows = [[test.removeprefix("test_")] + [found.get((test, b, k), "-") for b, k in pairs] for test in tests]
+    table = format_table(["scenario"] + [f"{b} {k}" for b, k in pairs], rows)
+    return (f"# Oversized-prompt scenarios: the full matrix\n\n"
+            f"Last full run: {dt.date.today()}, `scripts/e2e-matrix` (CI runs every scenario on 0.5.19 "
+            f"and 0.5.23 with Mooncake and one on each other base and backend).\n\n```\n{table}\n```\n")
+
+
+if __name__ == "__main__":
+    junit, out = map(Path, sys.argv[1:3])
+    out.write_text(render(outcomes(junit)))
+    print(out.read_text())
