@@ -230,9 +230,11 @@ def default_overlay() -> Path:
     return root
 
 
-def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = ()) -> list[Path]:
+def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
+               patches: Path | None = None) -> list[Path]:
     """The wheels a sandbox installs: pinned upstream SGLang, or the hardened build
-    of ``base`` plus the tool wheel whose runtime layer its patches import.
+    of ``base`` (from ``patches``, default the checkout's) plus the tool wheel whose
+    runtime layer its patches import.
 
     ``without`` leaves out the patches of those hardening ids, to show what the
     layers behind them do alone. Builds land in a directory named by their hashes,
@@ -247,7 +249,9 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = ()) -> list
     root = cache_dir() / "hardened"
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{base}-") as tmp:
-        patches = _series_without(patches_dir(), base, without, Path(tmp) / "patches") if without else None
+        patches = patches or patches_dir()
+        if without:
+            patches = _series_without(patches, base, without, Path(tmp) / "patches")
         out = Path(tmp) / "out"
         out.mkdir()
         try:

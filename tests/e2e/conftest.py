@@ -18,17 +18,19 @@ OVERLAY = Path(__file__).parents[1] / "cpu_overlay"
 PORTS_USED: list[int] = []  # every port a cluster of this session held
 # (scenario, base, backend, build, status, seconds): upstream and hardened in the same run
 TIMINGS: list[tuple[str, str, str, str, int, float]] = []
-_ENVS: dict[tuple[str, bool, tuple[str, ...]], SandboxEnv] = {}
+_ENVS: dict[tuple[str, bool, tuple[str, ...], Path | None], SandboxEnv] = {}
 
 
-def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = ()) -> SandboxEnv:
+def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = (),
+                patches: Path | None = None) -> SandboxEnv:
     """The environment for ``base``, upstream or hardened (built once per session);
-    ``without`` leaves those hardening ids' patches out of the hardened build."""
-    key = (base, hardened, without)
+    ``without`` leaves those hardening ids' patches out of the hardened build,
+    ``patches`` builds from another patch tree (a rebased one)."""
+    key = (base, hardened, without, patches)
     if key not in _ENVS:
         flavour = "hardened" + "".join(f" -{h}" for h in without) if hardened else "upstream"
         with phase(f"wheels {base} {flavour}"):
-            wheels = wheels_for(base, hardened, without)
+            wheels = wheels_for(base, hardened, without, patches)
         with phase(f"env {base} {flavour}"):
             env = build_env(base, wheels, OVERLAY)
         with phase(f"model {base}"):

@@ -1,0 +1,28 @@
+"""The rebase job's output serves: 0.5.19's series carried onto 0.5.21 (H1 dropped as
+upstream's own) builds, and a real PD cluster from it handles the incident prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_hardened.rebase import UPSTREAM, rebase, write_series
+from tests.conftest import phase
+
+from .conftest import sandbox_env
+from .scenarios import DEPTH, TIMEOUT_PARAMS, observe_oversized_via_lb, wait_pages_idle
+
+pytestmark = pytest.mark.e2e
+
+
+def test_series_rebased_onto_0_5_21_passes_the_oversized_prompt_scenario(start_cluster, tree_copy, drop_base):
+    drop_base("0.5.21")
+    with phase("rebase 0.5.19 -> 0.5.21"):
+        result = rebase(tree_copy, "0.5.19", "0.5.21")
+    assert [v.patch.hardening_id for v in result.verdicts if v.verdict == UPSTREAM] == ["H1"]
+    write_series(tree_copy, result, force=False)
+    cluster = start_cluster(sandbox_env("0.5.21", hardened=True, patches=tree_copy), **TIMEOUT_PARAMS, **DEPTH)
+    idle = cluster.used_tokens()
+    obs = observe_oversized_via_lb(cluster)
+    assert obs.via_lb.status == 400 and obs.via_lb.seconds < 2, obs.via_lb
+    assert wait_pages_idle(cluster, idle) == idle
+    assert "carries H0 H2 H3 H4 H7" in cluster.log_tail("decode", 400)
