@@ -38,14 +38,22 @@ def test_prefill_400_reaches_the_client_at_once_through_ours_not_through_mini_lb
     assert theirs.seconds >= waiting and theirs.body != ours.body, (theirs.status, theirs.seconds, theirs.body[:300])
 
 
-def test_same_answers_as_mini_lb_plain_and_streamed(shared_cluster, hardened_lb):
+def _post(url: str, payload: dict) -> str:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as reply:
+        return reply.read().decode()
+
+
+def test_same_answers_as_mini_lb_plain_streamed_and_openai(shared_cluster, hardened_lb):
     ours, theirs = generate(hardened_lb, FITTING_C), shared_cluster.generate(FITTING_C)
     assert ours.status == theirs.status == 200 and ours.output_ids == theirs.output_ids
     payload = {"text": FITTING_C, "stream": True, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}}
-    req = urllib.request.Request(f"{hardened_lb}/generate", data=json.dumps(payload).encode(),
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as reply:
-        events = [line[5:].strip() for line in reply.read().decode().splitlines() if line.startswith("data:")]
+    events = [line[5:].strip() for line in _post(f"{hardened_lb}/generate", payload).splitlines()
+              if line.startswith("data:")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e)["output_ids"] for e in events[:-1]]
     assert list(ours.output_ids) in (chunks[-1], [i for c in chunks for i in c])  # cumulative or incremental
+    completion = {"prompt": FITTING_C, "max_tokens": 4, "temperature": 0.0}
+    ours_text, theirs_text = (json.loads(_post(f"{url}/v1/completions", completion))["choices"][0]["text"]
+                              for url in (hardened_lb, shared_cluster.lb_url))
+    assert ours_text == theirs_text
