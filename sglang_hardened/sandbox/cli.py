@@ -24,7 +24,7 @@ def _load(name: str) -> Cluster | None:
 
 @click.group("sandbox")
 def sandbox() -> None:
-    """Run real SGLang prefill/decode + mini-lb on CPU, on 127.0.0.1."""
+    """Run real SGLang prefill/decode + a load balancer (mini-lb or ours) on CPU, on 127.0.0.1."""
 
 
 @sandbox.command()
