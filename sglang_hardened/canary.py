@@ -133,7 +133,9 @@ def run_canary(url: str, plan: Plan) -> CanaryReport:
 
 
 def _cross_tenant(sent: list[tuple[str, Reply]], canaries: dict[str, str]) -> Check:
-    leaks = [f"{tenant}'s answer holds {other}'s canary" for prompt, reply in sent
-             for tenant, own in canaries.items() if own in prompt
-             for other, c in canaries.items() if other != tenant and c in reply.body]
+    """An answer may hold only the canary of the prompt it answers (probes carry none)."""
+    leaks = []
+    for prompt, reply in sent:
+        asker = next((t for t, c in canaries.items() if c in prompt), "a probe")
+        leaks += [f"{asker}'s answer holds {t}'s canary" for t, c in canaries.items() if t != asker and c in reply.body]
     return Check("no tenant sees another's canary", not leaks, "; ".join(leaks[:5]) or f"{len(sent)} answers read")

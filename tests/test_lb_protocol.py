@@ -102,8 +102,10 @@ class Stands:
     async def _close(self) -> None:
         for runner in self.runners:
             await runner.cleanup()
-        for task in asyncio.all_tasks() - {asyncio.current_task()}:  # requests the test left waiting
+        left = asyncio.all_tasks() - {asyncio.current_task()}  # requests the test left waiting
+        for task in left:
             task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
 
 class Lb:

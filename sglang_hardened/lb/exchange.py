@@ -161,6 +161,8 @@ class Exchange:
 
     async def cancel_safely(self, grace_s: float) -> None:
         """Cancel a request the client no longer waits for, never mid-transfer (module doc)."""
+        log.info("request %s: client gone or timed out; %s", self.fwd.rids[0],
+                 "aborting decode" if self.send_over() else f"waiting up to {grace_s:g} s for the KV send to end")
         if not self.send_over():
             await asyncio.wait({self.prefill_task, self.decode_task}, timeout=grace_s,
                                return_when=asyncio.FIRST_COMPLETED)
