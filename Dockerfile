@@ -29,7 +29,7 @@ LABEL org.opencontainers.image.title="sglang-hardened" \
       sglang-hardened.tool-version="${TOOL_VERSION}"
 
 # Offline and without dependencies: everything else sglang needs is the
-# upstream image's own (click, pyyaml and packaging for the tool included).
+# upstream image's own (click, pyyaml, packaging and aiohttp for the tool included).
 # The wheels are bind-mounted (BuildKit, buildah), so no layer keeps them;
 # `info` fails the build if the result is not a hardened sglang.
 RUN --mount=type=bind,target=/wheels \

@@ -255,11 +255,16 @@ def upstream_check() -> None:
 def _register_subgroups() -> None:
     """Command groups that live beside the code they drive."""
     from .image_command import image
+    from .lb.cli import lb
     from .model.cli import model
+    from .probe_commands import canary, preflight
     from .sandbox.cli import sandbox
 
     main.add_command(image)
+    main.add_command(lb)
     main.add_command(model)
+    main.add_command(preflight)
+    main.add_command(canary)
     main.add_command(sandbox)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .cluster import BACKENDS, Cluster, ClusterParams, marked_pids, start
+from .cluster import BACKENDS, LBS, Cluster, ClusterParams, marked_pids, start
 from ..paths import cache_dir
 from .env import SandboxError, build_env, default_overlay, wheels_for
 from .model import ensure_model
@@ -24,7 +24,7 @@ def _load(name: str) -> Cluster | None:
 
 @click.group("sandbox")
 def sandbox() -> None:
-    """Run real SGLang prefill/decode + mini-lb on CPU, on 127.0.0.1."""
+    """Run real SGLang prefill/decode + a load balancer (mini-lb or ours) on CPU, on 127.0.0.1."""
 
 
 @sandbox.command()
@@ -34,6 +34,8 @@ def sandbox() -> None:
 @click.option("--wheel", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Run this SGLang wheel instead.")
 @click.option("--backend", type=click.Choice(sorted(BACKENDS)), default="mooncake", show_default=True)
+@click.option("--lb", type=click.Choice(LBS), default="mini-lb", show_default=True,
+              help="sglang-router's mini-lb, or `sglang-hardened lb`.")
 @click.option("--prefill-pool-tokens", type=int, default=256, show_default=True)
 @click.option("--decode-pool-tokens", type=int, default=4096, show_default=True)
 @click.option("--context-length", type=int, default=1024, show_default=True)
@@ -45,7 +47,7 @@ def sandbox() -> None:
 @click.option("--env", "extra_env", multiple=True, help="NAME=VALUE set for both servers (repeatable).")
 @click.option("--overlay", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="CPU stand-ins dir (default: the checkout's tests/cpu_overlay).")
-def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, prefill_pool_tokens: int,
+def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, lb: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], overlay: Path | None) -> None:
     """Build the environment if needed and start a cluster."""
@@ -57,7 +59,8 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, p
                                decode_pool_tokens=decode_pool_tokens, context_length=context_length,
                                decode_context_length=decode_context_length,
                                page_size=page_size, chunked_prefill_size=chunked_prefill_size,
-                               waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env)
+                               waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env,
+                               lb=lb)
         params.validate()
         wheels = [wheel] if wheel else wheels_for(base, hardened=not upstream)
         env = build_env(base, wheels, overlay or default_overlay())

@@ -1,4 +1,5 @@
-"""A real SGLang PD cluster on 127.0.0.1: prefill, decode and sglang-router's mini-lb.
+"""A real SGLang PD cluster on 127.0.0.1: prefill, decode and a load balancer
+(sglang-router's mini-lb, or this distribution's ``sglang-hardened lb``).
 
 Every child runs in its own process group and carries a marker variable, so
 teardown kills it and anything it spawned by pid even when a test fails or
@@ -13,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -34,6 +36,7 @@ CUDA_GRAPHS_OFF = {
     **{base: _BACKENDS_DISABLED for base in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
 }
 BACKENDS = {"mooncake": "mooncake_tcp", "nixl": "nixl"}
+LBS = ("mini-lb", "hardened")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class ClusterParams:
     prefill_port: int = 0
     decode_port: int = 0
     lb_port: int = 0
+    lb: str = "mini-lb"  # or "hardened": `sglang-hardened lb` from the tool's own environment
 
     def validate(self) -> None:
         if self.base not in CUDA_GRAPHS_OFF:
@@ -62,6 +66,8 @@ class ClusterParams:
             raise SandboxError(f"extra env entries must be NAME=VALUE: {self.extra_env}")
         if self.backend not in BACKENDS:
             raise SandboxError(f"unknown backend {self.backend!r}: choose {', '.join(BACKENDS)}")
+        if self.lb not in LBS:
+            raise SandboxError(f"unknown lb {self.lb!r}: choose {', '.join(LBS)}")
 
 
 @dataclass
@@ -108,6 +114,13 @@ class Cluster:
             with urllib.request.urlopen(f"{self.procs[role].url}/v1/loads", timeout=30) as reply:
                 used[role] = sum(load["num_used_tokens"] for load in json.load(reply)["loads"])
         return used
+
+    def add_lb(self, kind: str, env: SandboxEnv, deadline_s: float = 120.0) -> str:
+        """Start another load balancer of ``kind`` in front of the same servers; return its URL."""
+        name = f"lb-{kind}"
+        _start_lb(self, env, kind, name, _ports([0])[0])
+        _wait(self, [name], time.monotonic() + deadline_s, _serves)
+        return self.procs[name].url
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         try:
@@ -328,11 +341,7 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
             pid, log = _spawn(role, cmd, child_env, run_dir)
             cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port)
         _wait(cluster, ["prefill", "decode"], t0 + deadline_s, _healthy)
-        lb_cmd = [str(env.python), "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
-                  "--prefill", cluster.prefill_url, str(bp), "--decode", cluster.decode_url,
-                  "--host", "127.0.0.1", "--port", str(lp)]
-        pid, log = _spawn("lb", lb_cmd, child_env, run_dir)
-        cluster.procs["lb"] = Proc("lb", pid, log, f"http://127.0.0.1:{lp}", lp)
+        _start_lb(cluster, env, params.lb, "lb", lp)
         _wait(cluster, ["lb"], t0 + deadline_s, _serves)
     except BaseException:
         cluster.stop()
@@ -340,6 +349,21 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
     cluster.startup_s = time.monotonic() - t0
     (run_dir / "cluster.json").write_text(json.dumps(cluster.to_json(), indent=1))
     return cluster
+
+
+def _start_lb(cluster: Cluster, env: SandboxEnv, kind: str, name: str, port: int) -> None:
+    """mini-lb runs in the SGLang environment it ships with; ours in the tool's own (this
+    interpreter), as an operator runs it: never on the SGLang environment's path."""
+    if kind == "mini-lb":
+        cmd = [str(env.python), "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
+               "--prefill", cluster.prefill_url, str(cluster.bootstrap_port)]
+        child_env = _child_env(env, cluster.params, cluster.run_id)
+    else:
+        cmd = [sys.executable, "-m", "sglang_hardened", "lb", "--prefill", f"{cluster.prefill_url},{cluster.bootstrap_port}"]
+        child_env = {**os.environ, MARKER: cluster.run_id}
+    cmd += ["--decode", cluster.decode_url, "--host", "127.0.0.1", "--port", str(port)]
+    pid, log = _spawn(name, cmd, child_env, cluster.run_dir)
+    cluster.procs[name] = Proc(name, pid, log, f"http://127.0.0.1:{port}", port)
 
 
 def _serves(url: str) -> bool:

@@ -39,6 +39,16 @@ def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = ()
     return _ENVS[key]
 
 
+def launch(env: SandboxEnv, **params) -> sbc.Cluster:
+    """Start a cluster, timed as a phase, its ports kept for the leftovers check; the caller stops it."""
+    p = sbc.ClusterParams(base=env.base, **params)
+    with phase(f"cluster start {p.base} {p.backend}"):
+        c = sbc.start(env, p, ensure_model(env))
+    PORTS_USED.extend(proc.port for proc in c.procs.values())
+    PORTS_USED.append(c.bootstrap_port)
+    return c
+
+
 @pytest.fixture
 def start_cluster(request) -> Iterator[Callable[..., sbc.Cluster]]:
     """Start a cluster with given params; stopped (all pids killed) when the test ends."""
@@ -46,13 +56,8 @@ def start_cluster(request) -> Iterator[Callable[..., sbc.Cluster]]:
     request.node.sandbox_clusters = started
 
     def _start(env: SandboxEnv, **params) -> sbc.Cluster:
-        p = sbc.ClusterParams(base=env.base, **params)
-        with phase(f"cluster start {p.base} {p.backend}"):
-            c = sbc.start(env, p, ensure_model(env))
-        started.append(c)
-        PORTS_USED.extend(proc.port for proc in c.procs.values())
-        PORTS_USED.append(c.bootstrap_port)
-        return c
+        started.append(launch(env, **params))
+        return started[-1]
 
     yield _start
     for c in started:
@@ -70,3 +75,19 @@ def pytest_terminal_summary(terminalreporter) -> None:
                 for s, base, backend, build, status, seconds in sorted(set(TIMINGS))]
         terminalreporter.write_line("\nclient waits (same run):")
         terminalreporter.write_line(format_table(("scenario", "base", "backend", "build", "status", "seconds"), rows))
+
+
+@pytest.fixture(scope="module")
+def module_cluster(request) -> Iterator[sbc.Cluster]:
+    """One cluster shared by a module's tests: the module sets CLUSTER = (base, hardened, params)."""
+    base, hardened, params = request.module.CLUSTER
+    cluster = launch(sandbox_env(base, hardened), **params)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def shared_cluster(request, module_cluster: sbc.Cluster) -> sbc.Cluster:
+    """The module's cluster, its log tails attached to a failing test's report."""
+    request.node.sandbox_clusters = [module_cluster]
+    return module_cluster

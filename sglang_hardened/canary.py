@@ -1,0 +1,141 @@
+"""Canary probe of a live deployment through its load balancer: outputs, not status codes.
+
+Tenants send prompts carrying unique canary strings; no answer may contain
+another tenant's canary. A prompt over the prefill KV pool must be refused
+(4xx): the incident's trigger was such a prompt answered 200 over pages its
+transfer never wrote. And, as in the sandbox's differential oracle, a greedy
+probe sent after each tenant's traffic must give the same output whatever
+that tenant sent. Request count and time are bounded; the report is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+from .errors import HardenedError
+from .sandbox.oracle import Reply, differential_check, generate
+
+UNIT = " the key of the page"  # a common-word unit: about one token per word in any tokenizer
+CALIBRATION_UNITS = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How hard to probe: sizes come from preflight (the prefill pool and context length)."""
+
+    pool_tokens: int
+    context_length: int
+    tenants: int = 2
+    repeats: int = 4  # requests per tenant before each probe: enough to cycle decode's free pages
+    rounds: int = 2
+    max_new_tokens: int = 8
+    max_requests: int = 80
+    time_budget_s: float = 600.0
+    request_timeout_s: float = 120.0
+
+    def validate(self) -> None:
+        if self.tenants < 2 or min(self.repeats, self.rounds, self.pool_tokens, self.context_length) < 1:
+            raise HardenedError("canary needs at least 2 tenants, and positive repeats, rounds, pool and context")
+        if self.requests_needed > self.max_requests:
+            raise HardenedError(f"this plan sends {self.requests_needed} requests, over --max-requests "
+                                f"{self.max_requests}: lower --repeats or --rounds, or raise the limit")
+
+    @property
+    def requests_needed(self) -> int:
+        return 1 + 2 * self.rounds * self.tenants * (self.repeats + 1)  # calibration, then two probes
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class CanaryReport:
+    url: str
+    checks: list[Check] = field(default_factory=list)
+    requests: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def to_json(self) -> dict:
+        return {"url": self.url, "ok": self.ok, "requests": self.requests, "seconds": round(self.seconds, 1),
+                "checks": [asdict(c) for c in self.checks]}
+
+
+class _Sender:
+    """Sends /generate requests within the plan's budget, remembering which tenant sent what."""
+
+    def __init__(self, url: str, plan: Plan):
+        self.url, self.plan = url, plan
+        self.deadline = time.monotonic() + plan.time_budget_s
+        self.sent: list[tuple[str, Reply]] = []  # (prompt, reply)
+
+    def __call__(self, prompt: str) -> Reply:
+        if len(self.sent) >= self.plan.max_requests or time.monotonic() > self.deadline:
+            raise HardenedError(f"canary budget spent ({len(self.sent)} requests, "
+                                f"{self.plan.time_budget_s:g} s) before the probe finished")
+        reply = generate(self.url, prompt, self.plan.max_new_tokens, self.plan.request_timeout_s)
+        self.sent.append((prompt, reply))
+        return reply
+
+
+def _prompt(tokens_per_unit: float, tokens: int, prefix: str = "") -> str:
+    return prefix + UNIT * max(1, round(tokens / tokens_per_unit))
+
+
+def _prompt_tokens(reply: Reply) -> int:
+    try:
+        return int(json.loads(reply.body)["meta_info"]["prompt_tokens"])
+    except (ValueError, KeyError, TypeError):
+        raise HardenedError(f"calibration request failed (HTTP {reply.status}): {reply.body[:300]}") from None
+
+
+def run_canary(url: str, plan: Plan) -> CanaryReport:
+    """Probe the deployment behind ``url`` (an LB) and judge it; never raises on a finding."""
+    plan.validate()
+    start = time.monotonic()
+    send = _Sender(url.rstrip("/"), plan)
+    report = CanaryReport(url)
+    per_unit = _prompt_tokens(send(UNIT * CALIBRATION_UNITS)) / CALIBRATION_UNITS
+    canaries = {f"tenant-{i}": f"CANARY-{uuid.uuid4().hex[:12]}" for i in range(plan.tenants)}
+    tenant_tokens = max(8, min(plan.pool_tokens, plan.context_length) * 7 // 10)
+    histories = {t: [_prompt(per_unit, tenant_tokens, f"{c} is {t}'s secret.")] * plan.repeats
+                 for t, c in canaries.items()}
+    # over the pool, and inside the context where the pool is the smaller (the incident's case)
+    over_pool = plan.pool_tokens + max(16, (plan.context_length - plan.pool_tokens) // 2)
+    probes = {"over-pool": _prompt(per_unit, over_pool), "fitting": _prompt(per_unit, min(64, tenant_tokens))}
+    try:
+        verdicts = {name: differential_check(send, p, histories, plan.rounds) for name, p in probes.items()}
+    except HardenedError as exc:
+        report.checks.append(Check("budget", False, str(exc)))
+        verdicts = {}
+    report.checks.append(_cross_tenant(send.sent, canaries))
+    if verdicts:
+        over = [r for rs in verdicts["over-pool"].replies.values() for r in rs]
+        statuses = sorted({r.status for r in over})
+        report.checks.append(Check(f"over-pool prompt (~{over_pool} tokens) refused", all(400 <= s < 500 for s in statuses),
+                                   f"HTTP {', '.join(map(str, statuses))} (must be 4xx)"))
+        for name, verdict in verdicts.items():
+            outputs = {label: [o and list(o) for o in verdict.outputs(label)] for label in verdict.replies}
+            report.checks.append(Check(f"{name} probe independent of the previous tenant", not verdict.leaked,
+                                       json.dumps(outputs)[:300]))
+    report.requests, report.seconds = len(send.sent), time.monotonic() - start
+    return report
+
+
+def _cross_tenant(sent: list[tuple[str, Reply]], canaries: dict[str, str]) -> Check:
+    """An answer may hold only the canary of the prompt it answers (probes carry none)."""
+    leaks = []
+    for prompt, reply in sent:
+        asker = next((t for t, c in canaries.items() if c in prompt), "a probe")
+        leaks += [f"{asker}'s answer holds {t}'s canary" for t, c in canaries.items() if t != asker and c in reply.body]
+    return Check("no tenant sees another's canary", not leaks, "; ".join(leaks[:5]) or f"{len(sent)} answers read")

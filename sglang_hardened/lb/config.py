@@ -1,0 +1,40 @@
+"""What an operator sets for the load balancer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import HardenedError
+
+
+@dataclass(frozen=True)
+class PrefillAddr:
+    """A prefill worker's HTTP URL and its KV bootstrap port (None: SGLang's default)."""
+
+    url: str
+    bootstrap_port: int | None = None
+
+
+@dataclass(frozen=True)
+class LbConfig:
+    prefill: tuple[PrefillAddr, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "random"
+    request_timeout_s: float = 600.0  # the client gets 504 after this
+    # After a disconnect or timeout: how long a transfer that may be running is
+    # given to end (prefill answers) before decode is cancelled anyway.
+    transfer_grace_s: float = 60.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    health_interval_s: float = 5.0
+    drain_timeout_s: float = 60.0
+
+    def validate(self) -> None:
+        if not self.prefill or not self.decode:
+            raise HardenedError("the load balancer needs at least one --prefill and one --decode worker")
+        for url in [p.url for p in self.prefill] + list(self.decode):
+            if not url.startswith(("http://", "https://")):
+                raise HardenedError(f"worker URL {url!r} must start with http:// or https://")
+        if min(self.request_timeout_s, self.transfer_grace_s, self.health_interval_s, self.max_body_bytes) <= 0:
+            raise HardenedError("timeouts, the health interval and the body limit must be positive")

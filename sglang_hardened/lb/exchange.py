@@ -1,0 +1,187 @@
+"""One client request's pair of worker calls, and when each may be cancelled.
+
+Closing a worker connection makes SGLang abort the request on that worker at
+once, whatever its transfer is doing; so the LB never closes one early. It
+cancels with POST /abort_request {"rid"} instead, and only when no write
+into decode's pages can still land:
+
+- The LB cannot see when prefill starts sending KV. It knows the send is
+  over when prefill has answered (prefill answers after its send succeeded
+  or failed, or after rejecting the request before sending) or when decode
+  has produced output (decode emits nothing before its KV arrived).
+- A request rejected by either role: the client gets that first non-2xx
+  answer with its body; if prefill rejected, decode is aborted at once.
+- A client that disconnects, or a request past its timeout: if the send is
+  over, decode is aborted at once; otherwise the LB waits (``grace_s``) for
+  prefill to answer or decode to produce output, then aborts decode, and
+  prefill too if it still has not answered. A request not yet dispatched
+  reaches neither role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+
+from .protocol import Forwarded
+from .workers import Worker
+
+log = logging.getLogger("sglang_hardened.lb")
+ABORT_TIMEOUT_S = 10.0
+SSE_END = b"\n\n"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A worker's whole answer, or the LB's own error in the same shape."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    @classmethod
+    def error(cls, status: int, message: str) -> Answer:
+        return cls(status, json.dumps({"error": {"message": message, "code": status}}).encode())
+
+
+@dataclass
+class Stream:
+    """Decode's streaming answer once it produced its first event (so the send is over)."""
+
+    response: aiohttp.ClientResponse
+    first: bytes
+
+
+def sse_error(event: bytes) -> Answer | None:
+    """SGLang fails a streaming request as HTTP 200 whose first event is {"error": {…, "code"}}."""
+    text = event.strip()
+    if not text.startswith(b"data:"):
+        return None
+    try:
+        data = json.loads(text[5:])
+    except ValueError:
+        return None
+    if not (isinstance(data, dict) and isinstance(data.get("error"), dict)):
+        return None
+    code = data["error"].get("code")
+    return Answer(code if isinstance(code, int) and 400 <= code < 600 else 500, json.dumps(data).encode())
+
+
+async def _read_answer(response: aiohttp.ClientResponse, stream: bool) -> Answer:
+    body = await response.read()
+    if stream and response.status < 300:
+        return sse_error(body.split(SSE_END, 1)[0]) or Answer(response.status, body, response.content_type)
+    return Answer(response.status, body, response.content_type)
+
+
+class Exchange:
+    """Both worker calls of one request; their tasks outlive the client's connection."""
+
+    def __init__(self, session: aiohttp.ClientSession, route: str, fwd: Forwarded,
+                 prefill: Worker, decode: Worker, stream: bool, track):
+        self.session, self.route, self.fwd, self.stream = session, route, fwd, stream
+        self.prefill, self.decode, self._track = prefill, decode, track
+        self.stream_response: aiohttp.ClientResponse | None = None
+        self.prefill_task: asyncio.Task[Answer] = track(self._call_prefill())
+        self.decode_task: asyncio.Task[Answer | Stream] = track(self._call_decode())
+
+    async def _post(self, worker: Worker) -> aiohttp.ClientResponse:
+        return await self.session.post(f"{worker.url}/{self.route}", json=self.fwd.payload)
+
+    async def _call_prefill(self) -> Answer:
+        try:
+            async with await self._post(self.prefill) as response:
+                return await _read_answer(response, self.stream)
+        except aiohttp.ClientError as exc:
+            return Answer.error(502, f"prefill {self.prefill.url}: {exc}")
+
+    async def _call_decode(self) -> Answer | Stream:
+        try:
+            response = await self._post(self.decode)
+            if not self.stream or response.status >= 300:
+                async with response:
+                    return await _read_answer(response, self.stream)
+            self.stream_response = response
+            first = await response.content.readuntil(SSE_END)
+            failed = sse_error(first)
+            if failed:
+                await response.read()  # to its end: the worker closes it, not us
+                response.release()
+                return failed
+            return Stream(response, first)
+        except aiohttp.ClientError as exc:
+            return Answer.error(502, f"decode {self.decode.url}: {exc}")
+
+    def send_over(self) -> bool:
+        """True once no KV write for this request can still be under way."""
+        if self.prefill_task.done():
+            return True
+        if not self.decode_task.done():
+            return False
+        result = self.decode_task.result()
+        return isinstance(result, Stream) or result.ok
+
+    async def outcome(self) -> Answer | Stream:
+        """The first non-2xx of either role, else decode's answer.
+
+        Cancelling this leaves both calls running; follow with ``cancel_safely``.
+        """
+        pending: set[asyncio.Task] = {self.prefill_task, self.decode_task}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if self.prefill_task in done and not self.prefill_task.result().ok:
+                self._track(self.abort(self.decode))
+                return self.prefill_task.result()
+            if self.decode_task in done:
+                result = self.decode_task.result()
+                if isinstance(result, Stream) or not result.ok or not self._wants_prefill_body():
+                    return result
+        return _merge_logprobs(self.prefill_task.result(), self.decode_task.result())
+
+    def _wants_prefill_body(self) -> bool:
+        return bool(self.fwd.payload.get("return_logprob")) and not self.stream
+
+    async def abort(self, worker: Worker) -> None:
+        for rid in self.fwd.rids:
+            try:
+                async with self.session.post(f"{worker.url}/abort_request", json={"rid": rid},
+                                             timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as r:
+                    if r.status >= 300:
+                        log.warning("abort of %s on %s %s: HTTP %d", rid, worker.role, worker.url, r.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                log.warning("abort of %s on %s %s failed: %s", rid, worker.role, worker.url, exc)
+
+    async def cancel_safely(self, grace_s: float) -> None:
+        """Cancel a request the client no longer waits for, never mid-transfer (module doc)."""
+        log.info("request %s: client gone or timed out; %s", self.fwd.rids[0],
+                 "aborting decode" if self.send_over() else f"waiting up to {grace_s:g} s for the KV send to end")
+        if not self.send_over():
+            await asyncio.wait({self.prefill_task, self.decode_task}, timeout=grace_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        if not self.send_over() and not self.decode_task.done():
+            log.warning("request %s: transfer still running after %.0f s; cancelling both roles",
+                        self.fwd.rids[0], grace_s)
+            await self.abort(self.prefill)
+        await self.abort(self.decode)
+        await asyncio.wait({self.prefill_task, self.decode_task}, timeout=ABORT_TIMEOUT_S)
+        if self.stream_response is not None:
+            self.stream_response.close()
+
+
+def _merge_logprobs(prefill: Answer, decode: Answer | Stream) -> Answer | Stream:
+    """Prefill holds the prompt's logprobs, decode the output's: the client gets both (as mini-lb)."""
+    try:
+        pre, dec = json.loads(prefill.body), json.loads(decode.body)
+        dec["meta_info"]["input_token_logprobs"] = (pre["meta_info"]["input_token_logprobs"]
+                                                    + dec["meta_info"]["input_token_logprobs"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return decode
+    return Answer(decode.status, json.dumps(dec).encode(), decode.content_type)

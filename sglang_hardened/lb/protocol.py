@@ -1,0 +1,92 @@
+"""What the LB checks in a client request and what it adds before forwarding.
+
+A request that fails these checks gets a 4xx from the LB and never reaches a
+worker. The LB always sets ``rid`` and the bootstrap fields itself: a
+client-chosen bootstrap address or room could point decode at another
+tenant's transfer, and the LB aborts by ``rid``, which the scheduler
+matches as a prefix: a client-chosen rid could abort other tenants' requests.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import random
+import uuid
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from .workers import Worker
+
+# route -> the fields of which the body needs at least one
+ROUTES: dict[str, tuple[str, ...]] = {
+    "generate": ("text", "input_ids", "input_embeds"),
+    "v1/completions": ("prompt",),
+    "v1/chat/completions": ("messages",),
+}
+
+
+class BadRequest(Exception):
+    """The client's request is malformed; the message says how."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_body(route: str, raw: bytes) -> dict:
+    """The JSON object of a request to ``route``, or BadRequest."""
+    try:
+        payload = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(400, f"body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise BadRequest(400, "body must be a JSON object")
+    needed = ROUTES[route]
+    if all(payload.get(f) is None for f in needed):
+        raise BadRequest(400, f"/{route} needs one of: {', '.join(needed)}")
+    return payload
+
+
+def batch_size(route: str, payload: dict) -> int | None:
+    """Items in a /generate batch (mini-lb's rule), None for a single request."""
+    if route != "generate":
+        return None
+    if isinstance(text := payload.get("text"), list):
+        return len(text)
+    ids = payload.get("input_ids")
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return None
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """The body both workers get, and the rids that abort it (and nothing else)."""
+
+    payload: dict
+    rids: tuple[str, ...]
+
+
+def bootstrap_host(url: str) -> str:
+    host = urlparse(url).hostname or ""
+    try:
+        ipaddress.IPv6Address(host)
+        return f"[{host}]"
+    except ValueError:
+        return host
+
+
+def forwarded(route: str, payload: dict, prefill: Worker) -> Forwarded:
+    rid = f"lb-{uuid.uuid4().hex}"
+    n = batch_size(route, payload)
+    host = bootstrap_host(prefill.url)
+    if n is None:
+        rids: tuple[str, ...] = (rid,)
+        fields = {"rid": rid, "bootstrap_host": host, "bootstrap_port": prefill.bootstrap_port,
+                  "bootstrap_room": random.getrandbits(63)}
+    else:
+        rids = tuple(f"{rid}-{i}" for i in range(n))
+        fields = {"rid": list(rids), "bootstrap_host": [host] * n, "bootstrap_port": [prefill.bootstrap_port] * n,
+                  "bootstrap_room": [random.getrandbits(63) for _ in range(n)]}
+    return Forwarded({**payload, **fields}, rids)

@@ -1,0 +1,147 @@
+"""The LB's HTTP side: checks, routing, relaying, and drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import Coroutine
+
+import aiohttp
+from aiohttp import web
+
+from .config import LbConfig
+from .exchange import Answer, Exchange, Stream
+from .protocol import ROUTES, BadRequest, forwarded, parse_body
+from .routing import RoutingPolicy, load_policy
+from .workers import Pool, Worker
+
+log = logging.getLogger("sglang_hardened.lb")
+READ_BUFSIZE = 2 ** 21  # a first streamed event with logprobs can exceed aiohttp's 64 KiB default
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+class Balancer:
+    def __init__(self, config: LbConfig, policy: RoutingPolicy):
+        self.config, self.policy = config, policy
+        self.pool = Pool([Worker("prefill", p.url.rstrip("/"), p.bootstrap_port) for p in config.prefill],
+                         [Worker("decode", url.rstrip("/")) for url in config.decode], config.health_interval_s)
+        self.session: aiohttp.ClientSession | None = None
+        self.tasks: set[asyncio.Task] = set()  # worker calls and aborts that outlive their client
+        self.active = 0  # requests being handled
+        self.draining = False
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        for route in ROUTES:
+            app.router.add_post(f"/{route}", self._handler(route))
+        app.router.add_get("/health", self.health)
+        return app
+
+    def track(self, coro: Coroutine) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def health(self, _request: web.Request) -> web.Response:
+        if self.draining:
+            return _error(503, "draining")
+        if not (self.pool.healthy("prefill") and self.pool.healthy("decode")):
+            return _error(503, "no healthy prefill or decode worker")
+        return web.Response(text="ok")
+
+    def _handler(self, route: str):
+        async def handle(request: web.Request) -> web.StreamResponse:
+            self.active += 1
+            try:
+                return await self.forward(route, request)
+            finally:
+                self.active -= 1
+        return handle
+
+    async def forward(self, route: str, request: web.Request) -> web.StreamResponse:
+        if self.draining:
+            return _error(503, "the load balancer is shutting down")
+        try:
+            payload = parse_body(route, await request.read())
+        except web.HTTPException as exc:  # e.g. 413 over --max-body-bytes
+            return _error(exc.status, exc.reason)
+        except BadRequest as exc:
+            return _error(exc.status, str(exc))
+        prefill, decode = self.pool.healthy("prefill"), self.pool.healthy("decode")
+        if not prefill or not decode:
+            return _error(503, "no healthy prefill or decode worker")
+        p, d = self.policy.choose(prefill, decode, payload)
+        ex = Exchange(self.session, route, forwarded(route, payload, p), p, d, bool(payload.get("stream")), self.track)
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                result = await ex.outcome()
+        except TimeoutError:
+            self.track(ex.cancel_safely(self.config.transfer_grace_s))
+            return _error(504, f"no answer within {self.config.request_timeout_s:g} s")
+        except asyncio.CancelledError:  # the client went away
+            self.track(ex.cancel_safely(self.config.transfer_grace_s))
+            raise
+        if isinstance(result, Answer):
+            return web.Response(status=result.status, body=result.body, content_type=result.content_type)
+        return await self._relay(request, ex, result)
+
+    async def _relay(self, request: web.Request, ex: Exchange, stream: Stream) -> web.StreamResponse:
+        """Pipe decode's stream; a client gone mid-stream has decode aborted at once (the send is over)."""
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        try:
+            await reply.prepare(request)
+            await reply.write(stream.first)
+            async for chunk in stream.response.content.iter_any():
+                await reply.write(chunk)
+            await reply.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            self.track(ex.cancel_safely(self.config.transfer_grace_s))
+            raise
+        finally:
+            stream.response.release()
+        return reply
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let requests being handled, and their worker calls and aborts, end (up to ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while (self.active or self.tasks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.active or self.tasks:
+            log.warning("drain: %d requests still open after %.0f s; exiting", self.active, timeout_s)
+
+
+async def serve(config: LbConfig) -> None:
+    """Run until SIGTERM or SIGINT, then stop listening, drain, and return."""
+    config.validate()
+    balancer = Balancer(config, load_policy(config.policy))
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)  # our own deadlines, never a socket close
+    async with aiohttp.ClientSession(timeout=timeout, read_bufsize=READ_BUFSIZE,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        balancer.session = session
+        await balancer.pool.check_all(session)
+        health = asyncio.create_task(balancer.pool.run(session))
+        runner = web.AppRunner(balancer.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("sglang-hardened lb on http://%s:%d: %s", config.host, config.port,
+                 json.dumps({"prefill": [w.url for w in balancer.pool.prefill],
+                             "decode": [w.url for w in balancer.pool.decode], "policy": config.policy}))
+        await stop.wait()
+        log.info("draining: no new requests; waiting up to %.0f s for open ones", config.drain_timeout_s)
+        balancer.draining = True
+        await site.stop()
+        await balancer.drain(config.drain_timeout_s)
+        health.cancel()
+        await runner.cleanup()

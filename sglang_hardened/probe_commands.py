@@ -1,0 +1,82 @@
+"""``preflight`` and ``canary``: checks of a live deployment (parsing and printing only)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .table import format_table
+
+
+@click.command("preflight")
+@click.option("--prefill", multiple=True, required=True, metavar="URL", help="A prefill node's HTTP URL (repeatable).")
+@click.option("--decode", multiple=True, required=True, metavar="URL", help="A decode node's HTTP URL (repeatable).")
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per query.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON here.")
+def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float, json_path: Path | None) -> None:
+    """Check every live node of a PD deployment; exit 1 on any unsafe finding.
+
+    Reports each node's hardened version and hardening ids, KV pool vs
+    context length, input limits, page size and KV layout, checksum flags,
+    deferred KV release and transfer backend; then each finding with its
+    remedy. Upstream nodes are reported as unhardened.
+
+    \b
+    Example:
+      sglang-hardened preflight --prefill http://10.0.0.1:30000 --decode http://10.0.0.2:30000
+    """
+    from .preflight import NODE_COLUMNS, node_row
+    from .preflight import preflight as run_preflight
+
+    report = run_preflight(list(prefill), list(decode), timeout)
+    click.echo(format_table(NODE_COLUMNS, [node_row(n) for n in report.nodes]))
+    if report.findings:
+        click.echo()
+        click.echo(format_table(("severity", "where", "finding", "remedy"),
+                                [(f.severity, f.where, f.what, f.remedy) for f in report.findings]))
+    if json_path:
+        json_path.write_text(json.dumps(report.to_json(), indent=1))
+    click.echo(f"\npreflight: {'ok' if report.ok else 'UNSAFE'}")
+    if not report.ok:
+        sys.exit(1)
+
+
+@click.command("canary")
+@click.option("--url", required=True, help="The deployment's load balancer.")
+@click.option("--pool-tokens", type=int, required=True, help="Prefill KV pool size in tokens (preflight shows it).")
+@click.option("--context-length", type=int, required=True, help="The nodes' context length (preflight shows it).")
+@click.option("--tenants", type=int, default=2, show_default=True)
+@click.option("--repeats", type=int, default=4, show_default=True,
+              help="Requests per tenant before each probe; enough to cycle decode's free pages "
+                   "(decode pool tokens / 0.7 x the smaller of pool and context, plus 1).")
+@click.option("--rounds", type=int, default=2, show_default=True)
+@click.option("--max-requests", type=int, default=80, show_default=True)
+@click.option("--time-budget", type=float, default=600.0, show_default=True, help="Seconds for the whole probe.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
+def canary(url: str, pool_tokens: int, context_length: int, tenants: int, repeats: int, rounds: int,
+           max_requests: int, time_budget: float, json_path: Path | None) -> None:
+    """Probe a deployment through its LB for cross-tenant leaks; exit 1 on failure.
+
+    Fails if an answer holds another tenant's canary string, if a prompt
+    over the prefill KV pool gets a 2xx, or if a greedy probe's output
+    changes with the tenant that ran before it.
+
+    \b
+    Example:
+      sglang-hardened canary --url http://10.0.0.9:8000 --pool-tokens 65536 --context-length 32768 --json canary.json
+    """
+    from .canary import Plan, run_canary
+
+    plan = Plan(pool_tokens, context_length, tenants, repeats, rounds, max_requests=max_requests,
+                time_budget_s=time_budget)
+    report = run_canary(url, plan)
+    click.echo(format_table(("check", "result", "detail"),
+                            [(c.name, "ok" if c.ok else "FAIL", c.detail[:100]) for c in report.checks]))
+    click.echo(f"\ncanary: {'ok' if report.ok else 'FAILED'} ({report.requests} requests, {report.seconds:.0f} s)")
+    if json_path:
+        json_path.write_text(json.dumps(report.to_json(), indent=1))
+    if not report.ok:
+        sys.exit(1)

@@ -1,0 +1,25 @@
+"""preflight and canary pass a safe deployment: hardened 0.5.23, pools that hold the context."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_hardened.canary import Plan, run_canary
+from sglang_hardened.preflight import preflight
+
+pytestmark = pytest.mark.e2e
+CLUSTER = ("0.5.23", True, dict(prefill_pool_tokens=2048, decode_pool_tokens=4096, context_length=1024, lb="hardened"))
+
+
+def test_preflight_passes_a_safe_deployment(shared_cluster):
+    report = preflight([shared_cluster.prefill_url], [shared_cluster.decode_url])
+    assert report.ok, report.findings
+    assert all(n.hardening["hardened"] and "H7" in n.hardening["hardening_ids"] for n in report.nodes)
+    assert report.nodes[0].bootstrap_limit == report.nodes[0].get("max_req_input_len")  # read from /hardened/limits
+
+
+def test_canary_passes_a_safe_deployment(shared_cluster):
+    p = shared_cluster.params
+    report = run_canary(shared_cluster.lb_url, Plan(p.prefill_pool_tokens, p.context_length, repeats=2, rounds=1))
+    assert report.ok, report.to_json()
+    assert report.requests == Plan(p.prefill_pool_tokens, p.context_length, repeats=2, rounds=1).requests_needed

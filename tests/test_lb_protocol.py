@@ -1,0 +1,299 @@
+"""Protocol edge cases of `sglang-hardened lb` (malformed requests, first non-2xx, disconnect timing, drain).
+
+Stand-in: small real aiohttp servers on 127.0.0.1 play prefill and decode, because these cases need
+exact control of when each role answers; the real-server behaviour is in tests/e2e/test_lb.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from sglang_hardened.lb.routing import ENTRY_POINT_GROUP, load_policy
+from sglang_hardened.sandbox.cluster import free_port
+
+
+@dataclass
+class Role:
+    """A stand-in worker: answers /generate as told, records what reached it."""
+
+    status: int = 200
+    delay_s: float = 0.0
+    events: list[dict] = field(default_factory=lambda: [{"text": "hi", "output_ids": [1]}])
+    event_gap_s: float = 0.0
+    requests: list[dict] = field(default_factory=list)
+    aborts: list[tuple[str, float]] = field(default_factory=list)
+    answered_at: float | None = None
+    url: str = ""
+    aborted: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        payload = await request.json()
+        self.requests.append(payload)
+        aborted = self.aborted.setdefault(payload["rid"], asyncio.Event())
+        try:  # like SGLang, an abort ends the request early
+            await asyncio.wait_for(aborted.wait(), self.delay_s)
+            return web.json_response({"error": "aborted"}, status=500)
+        except TimeoutError:
+            pass
+        if not payload.get("stream"):
+            self.answered_at = time.monotonic()
+            return web.json_response(self.events[-1], status=self.status)
+        reply = web.StreamResponse(status=self.status, headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        for event in self.events:
+            await reply.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await asyncio.sleep(self.event_gap_s)
+        self.answered_at = time.monotonic()
+        await reply.write(b"data: [DONE]\n\n")
+        return reply
+
+    async def abort(self, request: web.Request) -> web.Response:
+        rid = (await request.json())["rid"]
+        self.aborts.append((rid, time.monotonic()))
+        self.aborted.setdefault(rid, asyncio.Event()).set()
+        return web.Response()
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+
+class Stands:
+    """Prefill and decode stand-ins served from one background event loop."""
+
+    def __init__(self, prefill: Role, decode: Role):
+        self.roles = {"prefill": prefill, "decode": decode}
+        self.loop = asyncio.new_event_loop()
+        self.runners: list[web.AppRunner] = []
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        for role in self.roles.values():
+            role.url = f"http://127.0.0.1:{asyncio.run_coroutine_threadsafe(self._serve(role), self.loop).result()}"
+
+    async def _serve(self, role: Role) -> int:
+        app = web.Application()
+        app.router.add_post("/generate", role.generate)
+        app.router.add_post("/abort_request", role.abort)
+        app.router.add_get("/health", role.health)
+        runner = web.AppRunner(app, shutdown_timeout=1)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        self.runners.append(runner)
+        return port
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    async def _close(self) -> None:
+        for runner in self.runners:
+            await runner.cleanup()
+        left = asyncio.all_tasks() - {asyncio.current_task()}  # requests the test left waiting
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+
+
+class Lb:
+    """`sglang-hardened lb` as a real child process in front of the stand-ins."""
+
+    def __init__(self, prefill: list[str], decode: list[str], *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "sglang_hardened", "lb", "--port", str(self.port), "--health-interval", "0.5",
+               *[a for p in prefill for a in ("--prefill", f"{p},8998")],
+               *[a for d in decode for a in ("--decode", d)], *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 30
+        while not _up(self.url):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.proc.stdout.read()
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def _up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2):
+            return True
+    except (OSError, urllib.error.HTTPError):
+        return False
+
+
+def post(url: str, body: bytes, path: str = "/generate", timeout: float = 30) -> tuple[int, bytes, float]:
+    start = time.monotonic()
+    req = urllib.request.Request(url + path, data=body, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read(), time.monotonic() - start
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), time.monotonic() - start
+
+
+def send_and_leave(url: str, payload: dict, after_s: float) -> None:
+    """A client that sends a request and closes its connection ``after_s`` later."""
+    body = json.dumps(payload).encode()
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(after_s)
+
+
+@pytest.fixture
+def rig(request):
+    """(stands, lb) for the Role pair the test passes via indirect params."""
+    prefill, decode = request.param
+    stands = Stands(prefill, decode)
+    lb = Lb([prefill.url], [decode.url], "--max-body-bytes", "4096", "--transfer-grace", "5")
+    yield stands, lb
+    lb.stop()
+    stands.close()
+
+
+def roles(prefill: Role | None = None, decode: Role | None = None):
+    return pytest.mark.parametrize("rig", [(prefill or Role(), decode or Role())], indirect=True)
+
+
+@roles()
+def test_malformed_requests_get_4xx_and_reach_no_worker(rig):
+    stands, lb = rig
+    cases = {b"{not json": 400, b"[1, 2]": 400, b'{"sampling_params": {}}': 400,
+             json.dumps({"text": "x" * 8000}).encode(): 413}
+    for body, status in cases.items():
+        assert post(lb.url, body)[0] == status, body[:40]
+    assert post(lb.url, b'{"messages": 1}', "/v1/completions")[0] == 400
+    assert post(lb.url, b'{"text": "x"}', "/no_such_route")[0] == 404
+    with pytest.raises(urllib.error.HTTPError, match="405"):
+        urllib.request.urlopen(f"{lb.url}/generate", timeout=10)
+    assert [r.requests for r in stands.roles.values()] == [[], []]
+    assert post(lb.url, b'{"text": "x", "rid": "", "bootstrap_host": "10.9.9.9"}')[0] == 200  # then a good one passes
+    sent = stands.roles["decode"].requests[0]
+    assert sent["rid"].startswith("lb-") and sent["bootstrap_host"] == "127.0.0.1" and sent["bootstrap_port"] == 8998
+
+
+@roles(Role(status=400, events=[{"error": {"message": "too long", "code": 400}}]), Role(delay_s=20))
+def test_prefill_400_reaches_the_client_at_once_and_decode_is_aborted(rig):
+    stands, lb = rig
+    status, body, seconds = post(lb.url, b'{"text": "x"}')
+    assert (status, json.loads(body)["error"]["message"]) == (400, "too long") and seconds < 3
+    decode = stands.roles["decode"]
+    deadline = time.monotonic() + 5
+    while not decode.aborts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [rid for rid, _ in decode.aborts] == [decode.requests[0]["rid"]]
+    assert stands.roles["prefill"].aborts == []
+
+
+@roles(Role(events=[{"error": {"message": "bad input", "code": 422}}]), Role(delay_s=20))
+def test_streaming_error_event_from_prefill_becomes_the_status(rig):
+    _, lb = rig
+    status, body, seconds = post(lb.url, b'{"text": "x", "stream": true}')
+    assert (status, json.loads(body)["error"]["code"]) == (422, 422) and seconds < 3
+
+
+@roles(Role(delay_s=20), Role(status=503, events=[{"error": "decode full"}]))
+def test_decode_error_first_wins_and_prefill_is_left_to_finish(rig):
+    stands, lb = rig
+    status, body, seconds = post(lb.url, b'{"text": "x"}')
+    assert (status, json.loads(body)) == (503, {"error": "decode full"}) and seconds < 3
+    assert stands.roles["prefill"].aborts == []
+
+
+@roles(Role(delay_s=3), Role(delay_s=30))
+def test_disconnect_before_the_send_ended_waits_for_prefill_then_aborts_decode(rig):
+    stands, lb = rig
+    send_and_leave(lb.url, {"text": "x"}, after_s=0.5)
+    decode, prefill = stands.roles["decode"], stands.roles["prefill"]
+    deadline = time.monotonic() + 10
+    while not decode.aborts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert decode.aborts and prefill.answered_at is not None
+    assert decode.aborts[0][1] >= prefill.answered_at  # never while prefill may still be sending
+    assert prefill.aborts == []
+
+
+@roles(Role(delay_s=30), Role(delay_s=30))
+def test_disconnect_with_a_send_past_the_grace_cancels_both_roles(rig):
+    stands, lb = rig
+    t0 = time.monotonic()
+    send_and_leave(lb.url, {"text": "x"}, after_s=0.5)
+    deadline = time.monotonic() + 15
+    while not stands.roles["decode"].aborts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (_, at), = stands.roles["decode"].aborts
+    assert 5 <= at - t0 < 9  # the lb's --transfer-grace 5
+    assert len(stands.roles["prefill"].aborts) == 1
+
+
+@roles(Role(), Role(events=[{"text": str(i)} for i in range(100)], event_gap_s=0.1))
+def test_disconnect_mid_stream_aborts_decode_at_once(rig):
+    stands, lb = rig
+    send_and_leave(lb.url, {"text": "x", "stream": True}, after_s=1.0)
+    left = time.monotonic()
+    decode = stands.roles["decode"]
+    deadline = left + 5
+    while not decode.aborts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert decode.aborts and decode.aborts[0][1] - left < 1.5
+    assert stands.roles["prefill"].aborts == []
+
+
+@roles(Role(), Role(delay_s=2))
+def test_sigterm_drains_open_requests_and_stops_listening(rig):
+    _, lb = rig
+    result: list = []
+    client = threading.Thread(target=lambda: result.append(post(lb.url, b'{"text": "x"}')))
+    client.start()
+    time.sleep(0.5)
+    lb.proc.send_signal(signal.SIGTERM)
+    client.join()
+    assert result[0][0] == 200
+    assert lb.proc.wait(timeout=10) == 0
+    assert not _up(lb.url)
+
+
+def test_unhealthy_workers_get_no_requests_and_streams_relay_whole():
+    good, spare = Role(events=[{"text": "a"}, {"text": "b"}]), Role()
+    stands = Stands(Role(), good)
+    lb = Lb([stands.roles["prefill"].url], [good.url, f"http://127.0.0.1:{free_port()}"])
+    try:
+        for _ in range(6):
+            status, body, _ = post(lb.url, b'{"text": "x", "stream": true}')
+            assert status == 200 and body.count(b"data:") == 3
+        assert len(good.requests) == 6 and spare.requests == []
+    finally:
+        lb.stop()
+        stands.close()
+
+
+class Pinned:
+    def choose(self, prefill, decode, payload):
+        return prefill[-1], decode[-1]
+
+
+def test_routing_policy_from_an_installed_entry_point(tmp_path, monkeypatch):
+    dist = tmp_path / "my_routing-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-routing\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\npinned = {__name__}:Pinned\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert isinstance(load_policy("pinned"), Pinned)
+    assert load_policy("round-robin").choose([1, 2], [3, 4], {}) == (1, 3)
