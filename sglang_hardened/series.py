@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import shutil
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from .errors import HardenedError
 from .hashing import sha256_file
+from .lock import LOCK_NAME
 
 SERIES_NAME = "series"
 REQUIRED_FIELDS = ("Description", "Hardening-Id", "Origin", "Forwarded", "Last-Update")
@@ -128,3 +130,19 @@ def load_series(patches: Path, base: str) -> Series:
     if len(set(names)) != len(names):
         raise HardenedError(f"{series_file} lists a patch twice")
     return Series(base, directory, revision, tuple(parse_patch(directory / n) for n in names))
+
+
+def copy_without(patches: Path, base: str, ids: tuple[str, ...], dest: Path) -> Path:
+    """A patch tree at ``dest`` whose ``base`` series leaves out the patches of ``ids``:
+    to show what the layers behind a hardening do alone."""
+    series = load_series(patches, base)
+    unknown = set(ids) - {p.hardening_id for p in series.patches}
+    if unknown:
+        raise HardenedError(f"{base}'s series has no patch for {', '.join(sorted(unknown))}")
+    dropped = {p.name for p in series.patches if p.hardening_id in ids}
+    dest.mkdir(parents=True)
+    shutil.copy(patches / LOCK_NAME, dest / LOCK_NAME)
+    shutil.copytree(patches / base, dest / base, ignore=lambda _dir, names: [n for n in names if n in dropped])
+    lines = (patches / base / SERIES_NAME).read_text().splitlines()
+    (dest / base / SERIES_NAME).write_text("".join(f"{line}\n" for line in lines if line.strip() not in dropped))
+    return dest

@@ -244,6 +244,7 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
         return [upstream_wheel(base)]
     from ..build import build
     from ..paths import patches_dir
+    from ..series import copy_without
 
     _check_base(base)
     root = cache_dir() / "hardened"
@@ -251,7 +252,7 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{base}-") as tmp:
         patches = patches or patches_dir()
         if without:
-            patches = _series_without(patches, base, without, Path(tmp) / "patches")
+            patches = copy_without(patches, base, without, Path(tmp) / "patches")
         out = Path(tmp) / "out"
         out.mkdir()
         try:
@@ -267,23 +268,3 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
                 if not final.exists():
                     raise
     return [final / result.wheel.name, final / tool.name]
-
-
-def _series_without(patches: Path, base: str, ids: tuple[str, ...], dest: Path) -> Path:
-    """A copy of the patch tree whose ``base`` series leaves out the patches of ``ids``."""
-    from ..lock import LOCK_NAME
-    from ..series import SERIES_NAME, load_series
-
-    series = load_series(patches, base)
-    unknown = set(ids) - {p.hardening_id for p in series.patches}
-    if unknown:
-        raise SandboxError(f"{base}'s series has no patch for {', '.join(sorted(unknown))}")
-    dest.mkdir(parents=True)
-    shutil.copy(patches / LOCK_NAME, dest / LOCK_NAME)
-    shutil.copytree(patches / base, dest / base)
-    dropped = {p.name for p in series.patches if p.hardening_id in ids}
-    lines = (patches / base / SERIES_NAME).read_text().splitlines()
-    (dest / base / SERIES_NAME).write_text("".join(f"{line}\n" for line in lines if line.strip() not in dropped))
-    for name in dropped:
-        (dest / base / name).unlink()
-    return dest
