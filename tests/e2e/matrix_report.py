@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -31,17 +32,18 @@ def outcomes(junit: Path) -> dict[tuple[str, str, str], str]:
     return found
 
 
-def render(found: dict[tuple[str, str, str], str]) -> str:
+def render(found: dict[tuple[str, str, str], str], commit: str) -> str:
     pairs = sorted({(base, backend) for _, base, backend in found})
     tests = sorted({test for test, _, _ in found})
     rows = [[test.removeprefix("test_")] + [found.get((test, b, k), "-") for b, k in pairs] for test in tests]
     table = format_table(["scenario"] + [f"{b} {k}" for b, k in pairs], rows)
     return (f"# Oversized-prompt scenarios: the full matrix\n\n"
-            f"Last full run: {dt.date.today()}, `scripts/e2e-matrix` (CI runs every scenario on 0.5.19 "
+            f"Last full run: {dt.date.today()}, commit {commit}, `scripts/e2e-matrix` (CI runs every scenario on 0.5.19 "
             f"and 0.5.23 with Mooncake and one on each other base and backend).\n\n```\n{table}\n```\n")
 
 
 if __name__ == "__main__":
     junit, out = map(Path, sys.argv[1:3])
-    out.write_text(render(outcomes(junit)))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out.write_text(render(outcomes(junit), commit or "unknown"))
     print(out.read_text())
