@@ -47,6 +47,13 @@ def core() -> list[tuple[str, str]]:
     return EVERYWHERE if FULL_MATRIX else CORE
 
 
+def upstream_waits() -> list[tuple[str, str]]:
+    """Where upstream makes the client wait for decode's timeout (0.5.19 leaks instead):
+    0.5.23 on both backends in CI, every base from 0.5.20 in the full matrix."""
+    return [(b, k) for b, k in EVERYWHERE if b != "0.5.19"] if FULL_MATRIX else [
+        ("0.5.23", "mooncake"), ("0.5.23", "nixl")]
+
+
 def edge() -> list[tuple[str, str]]:
     """The pairs that run one scenario only (none in the full matrix: they run them all)."""
     return [] if FULL_MATRIX else EDGE

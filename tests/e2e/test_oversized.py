@@ -26,6 +26,7 @@ from .scenarios import (
     TRUNC_PARAMS,
     core,
     edge,
+    upstream_waits,
     observe_oversized_via_lb,
     observe_pair,
     observe_probes,
@@ -109,6 +110,18 @@ def test_hardened_0519_h2_alone_reports_the_pending_400(start_cluster):
     cluster = start_cluster(sandbox_env("0.5.19", hardened=True, without=("H1", "H3")), **TIMEOUT_PARAMS, **DEPTH)
     at_prefill, _ = observe_pair(cluster, OVERSIZED_B)
     assert at_prefill.status == 400 and PREFILL_LIMIT_MESSAGE in at_prefill.body, at_prefill
+
+
+@pytest.mark.parametrize("base,backend", upstream_waits())
+def test_upstream_oversized_prompt_client_waits_for_decode_timeout(start_cluster, base, backend):
+    """H4's bug: from 0.5.21 prefill rejects at once (0.5.20 after a one-token forward), but
+    decode is never told, and mini-lb relays decode's 500 after its waiting timeout."""
+    cluster = start_cluster(sandbox_env(base), backend=backend, **TIMEOUT_PARAMS)
+    with phase(f"scenario timeout {base} upstream {backend}"):
+        reply = cluster.generate(OVERSIZED_B, timeout=cluster.params.waiting_timeout_s * 4 + 60)
+    record_timing("oversized via mini-lb", base, backend, "upstream", reply)
+    assert reply.status >= 500, reply
+    assert reply.seconds >= cluster.params.waiting_timeout_s - 1, "the error should wait for decode's timeout"
 
 
 @pytest.mark.parametrize("base,backend", edge())
