@@ -51,6 +51,7 @@ class ClusterParams:
     waiting_timeout_s: int = 300
     extra_flags: tuple[str, ...] = ()
     extra_env: tuple[str, ...] = ()  # NAME=VALUE for both servers, e.g. a hardening override
+    probe_transfer: bool = True  # ready = a request served; False: the lb's /health (transfers expected to fail)
     prefill_port: int = 0
     decode_port: int = 0
     lb_port: int = 0
@@ -325,7 +326,7 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
                   "--host", "127.0.0.1", "--port", str(lp)]
         pid, log = _spawn("lb", lb_cmd, child_env, run_dir)
         cluster.procs["lb"] = Proc("lb", pid, log, f"http://127.0.0.1:{lp}", lp)
-        _wait(cluster, ["lb"], t0 + deadline_s, _serves)
+        _wait(cluster, ["lb"], t0 + deadline_s, _serves if params.probe_transfer else _healthy)
     except BaseException:
         cluster.stop()
         raise

@@ -34,14 +34,14 @@ def sandbox_env(base: str, hardened: bool = False) -> SandboxEnv:
 
 @pytest.fixture
 def start_cluster(request) -> Iterator[Callable[..., sbc.Cluster]]:
-    """Start a cluster with given params; stopped (all pids killed) when the test ends."""
+    """Start a cluster with given params (and model variant); stopped (all pids killed) when the test ends."""
     started: list[sbc.Cluster] = []
     request.node.sandbox_clusters = started
 
-    def _start(env: SandboxEnv, **params) -> sbc.Cluster:
+    def _start(env: SandboxEnv, model: str = "tiny", **params) -> sbc.Cluster:
         p = sbc.ClusterParams(base=env.base, **params)
         with phase(f"cluster start {p.base} {p.backend}"):
-            c = sbc.start(env, p, ensure_model(env))
+            c = sbc.start(env, p, ensure_model(env, model))
         started.append(c)
         PORTS_USED.extend(proc.port for proc in c.procs.values())
         PORTS_USED.append(c.bootstrap_port)
