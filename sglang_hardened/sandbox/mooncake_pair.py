@@ -17,7 +17,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import random
 import subprocess
 import sys
 import time
@@ -82,7 +81,7 @@ def run_case(case: Case) -> Outcome:
     try:
         port, remote = conn.recv()
         engine = _engine()
-        payload = random.Random(case.entries).randbytes(size)
+        payload = os.urandom(size)
         buf = ctypes.create_string_buffer(payload, size)
         local = ctypes.addressof(buf)
         engine.register_memory(local, size)
