@@ -41,10 +41,11 @@ def test_hardened_0519_override_starts_and_both_checks_say_so(start_cluster):
     assert f"Starting anyway: {OVERRIDE_ENV}=1 overrides this check" in cluster.log_tail("prefill", 400)
     assert f"Serving anyway: {OVERRIDE_ENV}=1 overrides this check" in cluster.log_tail("decode", 400)
     # H0 on a live server: the start-up line, /server_info, and sglang.__version__ itself.
-    assert "sglang-hardened: sglang 0.5.19+hardened.1 carries H0 H7" in cluster.log_tail("prefill", 400)
+    ids = load_series(patches_dir(), "0.5.19").hardening_ids
+    assert f"sglang-hardened: sglang 0.5.19+hardened.1 carries {' '.join(ids)}" in cluster.log_tail("prefill", 400)
     with urllib.request.urlopen(f"{cluster.decode_url}/server_info", timeout=30) as reply:
         hardening = json.load(reply)["hardening"]
-    assert hardening["hardened"] and hardening["hardening_ids"] == load_series(patches_dir(), "0.5.19").hardening_ids
+    assert hardening["hardened"] and hardening["hardening_ids"] == ids
     version = subprocess.run([str(env.python), "-c", "import sglang; print(sglang.__version__)"],
                              env=env.environ(), capture_output=True, text=True, timeout=300, cwd="/")
     assert version.stdout.strip().splitlines()[-1] == "0.5.19+hardened.1", version.stderr[-2000:]
