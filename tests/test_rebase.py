@@ -10,13 +10,16 @@ import pytest
 from sglang_hardened.build import build
 from sglang_hardened.fetch import fetch_wheel
 from sglang_hardened.lock import load_lock
-from sglang_hardened.rebase import CONFLICT, MERGED, OFFSET, UPSTREAM, make_diff, rebase, write_series
+from sglang_hardened.rebase import (APPLIES, CONFLICT, MERGED, OFFSET, UPSTREAM, make_diff, rebase,
+                                     write_series)
 from sglang_hardened.series import load_series
 from sglang_hardened.verify import verify_base
 
 H0 = "0001-h0-report-hardened-identity.patch"
 H7 = "0002-h7-refuse-kv-pool-smaller-than-context.patch"
 H7B = "0003-h7-refuse-decode-input-limit-above-prefill.patch"
+H6B = "0020-h6-backport-mooncake-transfer-batch-indices.patch"
+H6 = "0021-h6-bound-mooncake-transfer-calls.patch"
 PREFILL = "sglang/srt/disaggregation/prefill.py"
 # Upstream's admission-time rejection (sgl-project/sglang#38935, first in 0.5.21),
 # exactly as 0.5.21 has it in PrefillBootstrapQueue.add.
@@ -42,7 +45,9 @@ ADD = "    def add(self, req: Req, num_kv_heads: int) -> None:\n"
 def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdict, tmp_path):
     drop_base(target)
     result = rebase(tree_copy, "0.5.19", target)
-    assert {v.patch.name: v.verdict for v in result.verdicts} == {H0: verdict, H7: OFFSET, H7B: MERGED}
+    # H6's backport is upstream's own split (0.5.20 on); the engine wrapper H6 seams gained an import line.
+    assert {v.patch.name: v.verdict for v in result.verdicts} == {
+        H0: verdict, H7: OFFSET, H7B: MERGED, H6B: UPSTREAM, H6: OFFSET}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -82,12 +87,12 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
 
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
-        H0: MERGED, H7: OFFSET, H7B: OFFSET, backport.name: UPSTREAM}
+        H0: MERGED, H7: OFFSET, H7B: OFFSET, H6: APPLIES, backport.name: UPSTREAM}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {backport.name}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / backport.name).exists()
-    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B]
+    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H6]
 
 
 def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree_copy, tmp_path):
