@@ -34,12 +34,22 @@ class Knob:
         return Version(base) in self.bases
 
 
+def _policy_file() -> dict:
+    return yaml.safe_load(resources.files(__package__).joinpath("policy.yaml").read_text())
+
+
+def load_limits(hardening_id: str) -> dict[str, int | float]:
+    """The numbers the runtime layer uses for one hardening id (its defaults)."""
+    return dict(_policy_file()["limits"][hardening_id])
+
+
 def load_policy() -> list[Knob]:
     """Every knob in the shipped policy file."""
-    data = yaml.safe_load(resources.files(__package__).joinpath("policy.yaml").read_text())
     knobs = []
-    for entry in data["knobs"]:
+    for entry in _policy_file()["knobs"]:
         entry = dict(entry, bases=SpecifierSet(entry["bases"]))
+        if "value" in entry:  # a number taken from `limits` by reference is still an env value
+            entry["value"] = str(entry["value"])
         knob = Knob(**entry)
         if bool(knob.env) == bool(knob.flag) or (knob.env and knob.value is None):
             raise HardenedError(f"policy knob {knob.id}: give either env + value or flag")

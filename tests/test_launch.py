@@ -6,7 +6,8 @@ import pytest
 
 from sglang_hardened.errors import HardenedError
 from sglang_hardened.launch import plan
-from sglang_hardened.policy import knobs_for, load_policy
+from sglang_hardened.policy import knobs_for, load_limits, load_policy
+from sglang_hardened.runtime.transfer_bounds import LINK_RATE_ENV, MAX_ENTRIES_ENV
 
 DEFERRED = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 CHECKSUM = "--disaggregation-enable-kv-checksum"
@@ -53,3 +54,19 @@ def test_launch_dry_run_prints_the_command(run_cli):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith(f"--disaggregation-mode decode {CHECKSUM}")
     assert "set by policy" in done.stderr
+
+
+def test_transfer_bounds_are_set_on_every_base_from_the_policy_limits(bases):
+    limits = load_limits("H6")
+    for base in bases:
+        env = plan(base, PD, {}).env
+        assert int(env["SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"]) > 0  # upstream's 0 is unbounded
+        assert env[MAX_ENTRIES_ENV] == str(limits["max_entries_per_call"])
+        assert env[LINK_RATE_ENV] == str(limits["link_rate_bytes_per_s"])
+
+
+def test_policy_show_prints_the_transfer_bounds(run_cli):
+    done = run_cli("policy", "show", "--base", "0.5.19")
+    assert done.returncode == 0, done.stderr
+    for name in ("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", MAX_ENTRIES_ENV, LINK_RATE_ENV):
+        assert name in done.stdout

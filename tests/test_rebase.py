@@ -8,7 +8,7 @@ import pytest
 
 from sglang_hardened.build import build
 from sglang_hardened.lock import load_lock
-from sglang_hardened.rebase import CONFLICT, MERGED, OFFSET, UPSTREAM, rebase, write_series
+from sglang_hardened.rebase import APPLIES, CONFLICT, MERGED, OFFSET, UPSTREAM, rebase, write_series
 from sglang_hardened.series import load_series
 from sglang_hardened.verify import verify_base
 
@@ -20,6 +20,8 @@ H1 = "0004-h1-reject-intake-aborted-requests-at-admission.patch"
 H2 = "0005-h2-no-success-over-pending-abort.patch"
 H3 = "0006-h3-refuse-decode-over-unwritten-pages.patch"
 H4 = "0007-h4-end-request-on-decode-when-prefill-ends-it.patch"
+H6B = "0020-h6-backport-mooncake-transfer-batch-indices.patch"
+H6 = "0021-h6-bound-mooncake-transfer-calls.patch"
 # Where 0.5.19 lacks a helper, its H1 variant uses the older call (a 3-way merge
 # carries that onto 0.5.20, whose hand-made variant uses the new helper).
 H1_0519_ONLY = "+        self.tree_cache.release_aborted_request(req.rid)"
@@ -35,6 +37,8 @@ H1_0520_ONLY = "+        self._release_aborted_request(req)"
 # merge onto 0.5.20, already upstream from 0.5.21 on. H2's line gained a
 # neighbour in 0.5.22 (routed experts): a human made that base's variant.
 # H3's and H4's seams sit beside lines upstream keeps changing (3-way merges).
+# H6's backport is upstream's own split (0.5.20 on); the engine wrapper H6
+# seams gained an import line.
 @pytest.mark.parametrize("target, verdict, h1, h2", [
     ("0.5.20", OFFSET, MERGED, MERGED), ("0.5.21", MERGED, UPSTREAM, MERGED),
     ("0.5.22", CONFLICT, UPSTREAM, CONFLICT), ("0.5.23", CONFLICT, UPSTREAM, CONFLICT)])
@@ -42,8 +46,8 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdi
     drop_base(target)
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
-        H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED,
-        H4: OFFSET if target == "0.5.20" else MERGED}
+        H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED,
+        H6B: UPSTREAM, H6: OFFSET}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -72,12 +76,12 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy):
     shutil.rmtree(tree_copy / "0.5.21")
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
-        H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED}
+        H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H6: APPLIES}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / H1).exists()
-    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4]
+    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H6]
 
 
 def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree_copy, tmp_path):

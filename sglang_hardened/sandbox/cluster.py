@@ -54,6 +54,7 @@ class ClusterParams:
     waiting_timeout_s: int = 300
     extra_flags: tuple[str, ...] = ()
     extra_env: tuple[str, ...] = ()  # NAME=VALUE for both servers, e.g. a hardening override
+    probe_transfer: bool = True  # ready = a request served; False: the lb's /health (transfers expected to fail)
     prefill_port: int = 0
     decode_port: int = 0
     lb_port: int = 0
@@ -342,7 +343,7 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
             cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port)
         _wait(cluster, ["prefill", "decode"], t0 + deadline_s, _healthy)
         _start_lb(cluster, env, params.lb, "lb", lp)
-        _wait(cluster, ["lb"], t0 + deadline_s, _serves)
+        _wait(cluster, ["lb"], t0 + deadline_s, _serves if params.probe_transfer else _healthy)
     except BaseException:
         cluster.stop()
         raise

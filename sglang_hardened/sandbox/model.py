@@ -35,6 +35,11 @@ CONFIG = dict(
     tie_word_embeddings=False,
     torch_dtype="float32",
 )
+# Deep and narrow: one transfer of any prompt has 2 x 1600 entries (K and V per layer per run of
+# pages), more than one Mooncake TCP call accepts (~2,050), at about the tiny model's cost per token.
+DEEP = dict(num_hidden_layers=1600, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1)
+VARIANTS = {"tiny": {}, "deep": DEEP}
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
 
@@ -48,8 +53,8 @@ def _corpus() -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(64)) for _ in range(200)]
 
 
-def build(out: Path) -> None:
-    """Write config, weights and tokenizer into ``out`` (overwrites)."""
+def build(out: Path, variant: str = "tiny") -> None:
+    """Write config, weights and tokenizer of ``variant`` into ``out`` (overwrites)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -69,18 +74,20 @@ def build(out: Path) -> None:
     ).save_pretrained(out)
 
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.float32)
+    config = {**CONFIG, **VARIANTS[variant]}
+    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
-    (out / "sandbox-model.json").write_text(json.dumps({"seed": SEED, **CONFIG}, sort_keys=True))
+    (out / "sandbox-model.json").write_text(json.dumps({"seed": SEED, **config}, sort_keys=True))
 
 
-def ensure_model(env: SandboxEnv) -> Path:
-    """The cached model dir for ``env``, generated once per (this file, base pins)."""
+def ensure_model(env: SandboxEnv, variant: str = "tiny") -> Path:
+    """The cached model dir of ``variant`` for ``env``, generated once per (this file, base pins)."""
     from ..paths import cache_dir
     from .env import PINS, SandboxError
 
     key = hashlib.sha256(Path(__file__).read_bytes() + (PINS / f"{env.base}.txt").read_bytes()).hexdigest()[:16]
-    dest = cache_dir() / "models" / f"tiny-llama-{env.base}-{key}"
+    prefix = "tiny-llama" if variant == "tiny" else f"{variant}-llama"
+    dest = cache_dir() / "models" / f"{prefix}-{env.base}-{key}"
     if (dest / "sandbox-model.json").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +95,7 @@ def ensure_model(env: SandboxEnv) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     run_env = env.environ()
     run_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), run_env["PYTHONPATH"]])
-    r = subprocess.run([str(env.python), "-m", "sglang_hardened.sandbox.model", str(tmp)],
+    r = subprocess.run([str(env.python), "-m", "sglang_hardened.sandbox.model", str(tmp), variant],
                        env=run_env, capture_output=True, text=True, cwd=dest.parent)  # not the caller's cwd: it may shadow
     if r.returncode:
         raise SandboxError(f"model generation failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
@@ -98,4 +105,4 @@ def ensure_model(env: SandboxEnv) -> Path:
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]))
+    build(Path(sys.argv[1]), *sys.argv[2:])

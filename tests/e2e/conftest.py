@@ -39,11 +39,12 @@ def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = ()
     return _ENVS[key]
 
 
-def launch(env: SandboxEnv, **params) -> sbc.Cluster:
-    """Start a cluster, timed as a phase, its ports kept for the leftovers check; the caller stops it."""
+def launch(env: SandboxEnv, model: str = "tiny", **params) -> sbc.Cluster:
+    """Start a cluster (of a model variant), timed as a phase, its ports kept for the
+    leftovers check; the caller stops it."""
     p = sbc.ClusterParams(base=env.base, **params)
     with phase(f"cluster start {p.base} {p.backend}"):
-        c = sbc.start(env, p, ensure_model(env))
+        c = sbc.start(env, p, ensure_model(env, model))
     PORTS_USED.extend(proc.port for proc in c.procs.values())
     PORTS_USED.append(c.bootstrap_port)
     return c
@@ -51,12 +52,12 @@ def launch(env: SandboxEnv, **params) -> sbc.Cluster:
 
 @pytest.fixture
 def start_cluster(request) -> Iterator[Callable[..., sbc.Cluster]]:
-    """Start a cluster with given params; stopped (all pids killed) when the test ends."""
+    """Start a cluster with given params (and model variant); stopped (all pids killed) when the test ends."""
     started: list[sbc.Cluster] = []
     request.node.sandbox_clusters = started
 
-    def _start(env: SandboxEnv, **params) -> sbc.Cluster:
-        started.append(launch(env, **params))
+    def _start(env: SandboxEnv, model: str = "tiny", **params) -> sbc.Cluster:
+        started.append(launch(env, model, **params))
         return started[-1]
 
     yield _start

@@ -1,0 +1,81 @@
+"""H6's bounded Mooncake calls against one unbounded call, on real Mooncake TCP over 127.0.0.1.
+
+    python benchmarks/bench_transfer_bounds.py --repeat 5
+
+Throughput: the same write (--entries entries of --entry-kib KiB, under
+Mooncake TCP's ~2,050-entry per-call limit so that one unbounded call works)
+sent as one call and through transfer_bounds with the policy's bounds,
+alternately, each on a fresh engine pair; goal: bounded/unbounded seconds
+<= 1.05 (throughput >= 95 %). Per-call times: a write too large for one call
+(--big-entries) split by the policy's bounds, and the same with the byte
+bound made to bite (--byte-bound-mib, as a slow configured link would); each
+call's seconds against the release timeout the bound is derived from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from floor_report import print_against_floor  # benchmarks/ is on sys.path when run as a script
+
+from sglang_hardened.policy import load_limits
+from sglang_hardened.runtime.transfer_bounds import bounds_from
+from sglang_hardened.sandbox.env import build_env, default_overlay, upstream_wheel
+from sglang_hardened.sandbox.mooncake_pair import Case, run
+from sglang_hardened.table import format_table
+
+BIG_ENTRY_BYTES = 16 << 10  # the many-call write's entries: a page of a small model's layer
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="0.5.23", help="sandbox environment whose Mooncake is used")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--entries", type=int, default=2000)
+    parser.add_argument("--entry-kib", type=int, default=64)
+    parser.add_argument("--big-entries", type=int, default=16384)
+    parser.add_argument("--byte-bound-mib", type=int, default=8)
+    args = parser.parse_args()
+    env = build_env(args.base, [upstream_wheel(args.base)], default_overlay())
+    policy = bounds_from({})
+    bounded = (policy.max_entries, policy.max_bytes)
+    entry_bytes = args.entry_kib << 10
+    cases = [Case(args.entries, entry_bytes, bounds) for _ in range(args.repeat) for bounds in (None, bounded)]
+    cases += [Case(args.big_entries, BIG_ENTRY_BYTES, bounds) for _ in range(args.repeat)
+              for bounds in (bounded, (policy.max_entries, args.byte_bound_mib << 20))]
+    outcomes, log = run(env, cases, timeout_s=3600)
+    failed = [(c, o.rc) for c, o in zip(cases, outcomes) if not o.arrived]
+    if failed:
+        raise SystemExit(f"writes that did not arrive: {failed}\n{log[-2000:]}")
+    seconds = {b: [o.seconds for c, o in zip(cases, outcomes) if c.entries == args.entries and c.bounds == b]
+               for b in (None, bounded)}
+    mib = args.entries * entry_bytes / (1 << 20)
+    print(f"{args.entries} entries x {args.entry_kib} KiB = {mib:.0f} MiB per write, Mooncake TCP on 127.0.0.1")
+    print_against_floor("unbounded (1 call)", seconds[None], f"bounded ({policy.max_entries} entries/call)",
+                        seconds[bounded], "bounded/unbounded",
+                        f"goal <= 1.05; throughput {mib / statistics.median(seconds[bounded]):.0f} vs "
+                        f"{mib / statistics.median(seconds[None]):.0f} MiB/s", digits=3)
+    limits = load_limits("H6")
+    timeout_s = limits["release_timeout_s"]
+    rows = []
+    for bounds in (bounded, (policy.max_entries, args.byte_bound_mib << 20)):
+        calls = [s for c, o in zip(cases, outcomes) if c.entries == args.big_entries and c.bounds == bounds
+                 for s in o.call_seconds]
+        mib_per_call = min(bounds[1], bounds[0] * BIG_ENTRY_BYTES) / (1 << 20)
+        write = f"{args.big_entries} x {BIG_ENTRY_BYTES >> 10} KiB, <= {bounds[0]} entries, <= {mib_per_call:.0f} MiB"
+        rows.append((write, len(calls),
+                     f"{_quantile(calls, 0.5):.3f}", f"{_quantile(calls, 0.99):.3f}", f"{max(calls):.3f}",
+                     f"{max(calls) / timeout_s:.4f}"))
+    print(f"\nper-call seconds against the release timeout ({timeout_s} s; the byte bound allows "
+          f"{policy.max_bytes / limits['link_rate_bytes_per_s']:.0f} s at the configured link rate)")
+    print(format_table(("write", "calls", "p50 s", "p99 s", "max s", "max / timeout"), rows))
+
+
+if __name__ == "__main__":
+    main()

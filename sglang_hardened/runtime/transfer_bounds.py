@@ -1,0 +1,99 @@
+"""H6: every synchronous Mooncake transfer call is bounded in entries and in bytes.
+
+A synchronous batch cannot be interrupted, and decode releases a failed
+request's pages after SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT
+even without proof that prefill's writes drained: a call that outlives that
+timeout may write into pages decode has given to another request. So one call
+carries at most ``timeout x timeout_fraction x link rate`` bytes. Mooncake TCP
+also rejects a call of more than about 2,050 entries and then fails every later
+call to that peer, whatever the bytes: one call carries at most
+``max_entries_per_call`` entries. A larger transfer becomes several calls, in
+order, stopping at the first failure (as upstream's own index split does).
+
+Defaults live in the policy file's ``limits: H6``; the env vars below override
+them (``sglang-hardened launch`` sets them from the same numbers).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+MAX_ENTRIES_ENV = "SGLANG_HARDENED_TRANSFER_MAX_ENTRIES"
+LINK_RATE_ENV = "SGLANG_HARDENED_TRANSFER_LINK_RATE"
+RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
+
+Batch = tuple[list[int], list[int], list[int]]  # sources, destinations, lengths: one engine call
+Write = Callable[[str, list[int], list[int], list[int]], int]
+
+log = logging.getLogger("sglang_hardened")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one synchronous transfer call may carry."""
+
+    max_entries: int
+    max_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.max_entries < 1 or self.max_bytes < 1:
+            raise ValueError(f"transfer bounds must be positive: {self}")
+
+
+def split(srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int], bounds: Bounds) -> Iterator[Batch]:
+    """Consecutive batches that write exactly the given bytes, in order, each within ``bounds``.
+
+    An entry longer than ``max_bytes`` is cut into pieces (each piece is an
+    entry of its own), so the byte bound holds whatever the page size.
+    """
+    batch: Batch = ([], [], [])
+    batch_bytes = 0
+    for src, dst, length in zip(srcs, dsts, lengths, strict=True):
+        offset = 0
+        while offset < length:
+            if len(batch[0]) == bounds.max_entries or batch_bytes == bounds.max_bytes:
+                yield batch
+                batch, batch_bytes = ([], [], []), 0
+            piece = min(length - offset, bounds.max_bytes - batch_bytes)
+            batch[0].append(src + offset)
+            batch[1].append(dst + offset)
+            batch[2].append(piece)
+            batch_bytes += piece
+            offset += piece
+    if batch[0]:
+        yield batch
+
+
+def bounds_from(environ: Mapping[str, str]) -> Bounds:
+    """The bounds for a process with this environment: the policy's numbers, env overriding."""
+    from ..policy import load_limits
+
+    limits = load_limits("H6")
+    timeout_s = float(environ.get(RELEASE_TIMEOUT_ENV, limits["release_timeout_s"]))
+    link_rate = float(environ.get(LINK_RATE_ENV, limits["link_rate_bytes_per_s"]))
+    return Bounds(max_entries=int(environ.get(MAX_ENTRIES_ENV, limits["max_entries_per_call"])),
+                  max_bytes=int(timeout_s * limits["timeout_fraction"] * link_rate))
+
+
+@lru_cache(maxsize=1)
+def process_bounds() -> Bounds:
+    """This process's bounds, read once (the env does not change under a running server)."""
+    bounds = bounds_from(os.environ)
+    log.info("sglang-hardened H6: each Mooncake transfer call carries at most %d entries and %d bytes",
+             bounds.max_entries, bounds.max_bytes)
+    return bounds
+
+
+def batch_transfer_sync(write: Write, session_id: str, srcs: list[int], dsts: list[int],
+                        lengths: list[int]) -> int:
+    """Seam for the engine's synchronous batch write: one bounded call per batch; the first
+    non-zero return, after which nothing more is sent."""
+    for batch in split(srcs, dsts, lengths, process_bounds()):
+        ret = write(session_id, *batch)
+        if ret != 0:
+            return ret
+    return 0

@@ -1,0 +1,96 @@
+"""H6's split on its own: every batch within both bounds, every byte written once, in order.
+
+Real Mooncake over TCP (tests/e2e/test_h6_mooncake_tcp.py) and real servers
+(tests/e2e/test_h6_batches.py) show why the bounds are needed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_hardened.policy import load_limits
+from sglang_hardened.runtime import transfer_bounds
+from sglang_hardened.runtime.transfer_bounds import (LINK_RATE_ENV, MAX_ENTRIES_ENV, RELEASE_TIMEOUT_ENV, Bounds,
+                                                     batch_transfer_sync, bounds_from, split)
+
+# Mooncake TCP (0.3.13, default settings) rejects one call of more than about this many entries.
+MOONCAKE_TCP_ENTRIES_PER_CALL = 2050
+
+
+def _entries(count: int, seed: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """Entries shaped like a KV transfer: runs of pages of a few sizes at scattered addresses."""
+    rng = random.Random(seed)
+    lengths = [rng.choice([1, 7, 4096, 65536, 3 * 65536 + 5]) for _ in range(count)]
+    srcs = [rng.randrange(1 << 40) for _ in range(count)]
+    dsts = [rng.randrange(1 << 40) for _ in range(count)]
+    return srcs, dsts, lengths
+
+
+def _bytes(srcs, dsts, lengths) -> list[tuple[int, int]]:
+    """Every (source byte, destination byte) pair the entries write, in order."""
+    return [(s + i, d + i) for s, d, n in zip(srcs, dsts, lengths) for i in range(n)]
+
+
+@pytest.mark.parametrize("bounds", [Bounds(1, 1 << 40), Bounds(3, 10_000), Bounds(1024, 1 << 40),
+                                    Bounds(1024, 65536), Bounds(5, 4096)])
+def test_batches_respect_both_bounds(bounds):
+    batches = list(split(*_entries(3000), bounds))
+    for srcs, dsts, lengths in batches:
+        assert 1 <= len(srcs) == len(dsts) == len(lengths) <= bounds.max_entries
+        assert sum(lengths) <= bounds.max_bytes and min(lengths) >= 1
+
+
+@pytest.mark.parametrize("bounds", [Bounds(2, 8), Bounds(3, 5), Bounds(1, 1), Bounds(4, 1000)])
+def test_batches_write_every_byte_once_in_order(bounds):
+    entries = _entries(40, seed=1)
+    entries = (entries[0], entries[1], [n % 23 for n in entries[2]])  # small enough to list every byte
+    written = [pair for batch in split(*entries, bounds) for pair in _bytes(*batch)]
+    assert written == _bytes(*entries)
+
+
+def test_under_the_bounds_it_is_one_unchanged_call():
+    entries = _entries(1024)
+    assert list(split(*entries, Bounds(1024, sum(entries[2])))) == [entries]
+
+
+def test_an_entry_longer_than_the_byte_bound_is_cut_into_pieces():
+    assert list(split([0], [100], [10], Bounds(4, 4))) == [([0], [100], [4]), ([4], [104], [4]), ([8], [108], [2])]
+
+
+def test_byte_bound_fills_each_call_then_moves_on():
+    batches = list(split([0, 50], [1000, 2000], [6, 6], Bounds(8, 8)))
+    assert batches == [([0, 50], [1000, 2000], [6, 2]), ([52], [2002], [4])]
+
+
+def test_policy_defaults_stay_under_mooncake_tcp_and_the_release_timeout():
+    limits = load_limits("H6")
+    bounds = bounds_from({})
+    assert bounds.max_entries == limits["max_entries_per_call"] <= MOONCAKE_TCP_ENTRIES_PER_CALL // 2
+    seconds_per_call = bounds.max_bytes / limits["link_rate_bytes_per_s"]
+    assert seconds_per_call <= limits["release_timeout_s"] * limits["timeout_fraction"] < limits["release_timeout_s"]
+
+
+def test_env_overrides_each_number_and_the_byte_bound_follows_the_timeout():
+    bounds = bounds_from({MAX_ENTRIES_ENV: "64", LINK_RATE_ENV: "1000", RELEASE_TIMEOUT_ENV: "4"})
+    assert bounds == Bounds(64, int(4 * load_limits("H6")["timeout_fraction"] * 1000))
+
+
+def test_nonsense_bounds_are_refused():
+    with pytest.raises(ValueError, match="must be positive"):
+        bounds_from({MAX_ENTRIES_ENV: "0"})
+
+
+def test_seam_sends_each_batch_and_stops_at_the_first_failure(monkeypatch):
+    monkeypatch.setattr(transfer_bounds, "process_bounds", lambda: Bounds(2, 1 << 40))
+    calls = []
+
+    def write(session, srcs, dsts, lengths):
+        calls.append((session, srcs))
+        return -1 if len(calls) == 2 else 0
+
+    assert batch_transfer_sync(write, "peer", [1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1] * 5) == -1
+    assert calls == [("peer", [1, 2]), ("peer", [3, 4])]
+    calls.clear()
+    assert batch_transfer_sync(lambda *a: calls.append(a) or 0, "peer", [], [], []) == 0 and calls == []
