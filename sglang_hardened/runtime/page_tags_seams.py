@@ -32,7 +32,6 @@ import logging
 import os
 import struct
 
-import numpy as np
 import torch
 
 from . import FAKE_BOOTSTRAP_HOST, abort_before_decode
@@ -104,11 +103,17 @@ def carried(from_zmq, msg: list[bytes]):
     return info
 
 
+def _decode_tags(decode_req) -> DecodePageTags | None:
+    """The request's decode tags; None for warm-up (fake) receivers and backends without H8."""
+    tags = getattr(getattr(decode_req.kv_receiver, "kv_mgr", None), "hardened_tags", None)
+    return tags if isinstance(tags, DecodePageTags) else None
+
+
 def allocate(decode_req, page_indices) -> None:
     """Seam in decode right before `kv_receiver.send_metadata(page_indices, ...)`: the pages are
     this request's from now on; a new epoch makes whatever they held vouch for nobody."""
-    tags = getattr(decode_req.kv_receiver.kv_mgr, "hardened_tags", None)
-    if isinstance(tags, DecodePageTags):
+    tags = _decode_tags(decode_req)
+    if tags is not None:
         decode_req.hardened_epoch = tags.allocate(decode_req.req.bootstrap_room, page_indices)
         decode_req.hardened_pages = page_indices
 
@@ -150,8 +155,8 @@ def refuse_untagged(transfer_queue, decode_req) -> bool:
     """Seam in decode's `_commit_transfer_to_req`, next to H3's: refuse the request (True: the
     caller returns) unless every page it is about to read carries its (room, epoch)."""
     req = decode_req.req
-    tags = getattr(decode_req.kv_receiver.kv_mgr, "hardened_tags", None)
-    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or not isinstance(tags, DecodePageTags):
+    tags = _decode_tags(decode_req)
+    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or tags is None:
         return False
     page_size = transfer_queue.scheduler.page_size
     slots = _page_table(transfer_queue, req, len(getattr(decode_req, "hardened_pages", ())), page_size)
@@ -183,8 +188,8 @@ def _force_stale_index(slots: torch.Tensor, pool_pages: int, page_size: int) -> 
 def release(decode_req) -> None:
     """Seam in decode's `_do_release` (and after the check): the room's epoch is forgotten and its
     pages stop vouching for anyone, so a late write or a stale reader matches nothing."""
-    tags = getattr(decode_req.kv_receiver.kv_mgr, "hardened_tags", None) if decode_req.kv_receiver else None
+    tags = _decode_tags(decode_req)
     room, epoch = decode_req.req.bootstrap_room, getattr(decode_req, "hardened_epoch", None)
-    if isinstance(tags, DecodePageTags) and epoch is not None and tags.expected.get(room) == epoch:
+    if tags is not None and epoch is not None and tags.expected.get(room) == epoch:
         tags.release(room, decode_req.hardened_pages)  # not if the room has been allocated again since
     decode_req.hardened_epoch = None
