@@ -70,6 +70,7 @@ def test_tag_layer_only_for_the_kv_pool_and_a_hardened_decode():
 def test_before_send_stamps_and_the_fault_drops_the_last_page(monkeypatch):
     buffer = TagBuffer(8)
     monkeypatch.setenv(seams.FAULT_ENV, "drop-last-page")
+    monkeypatch.setattr(seams, "FAULT_MIN_PAGES", 3)
     chunk = Chunk(torch.tensor([1, 2, 3]))
     sent, dst = seams.before_send(SimpleNamespace(hardened_tags=buffer), chunk,
                                   SimpleNamespace(room=ROOM, hardened_h8=5), torch.tensor([4, 5, 6]))
@@ -103,6 +104,7 @@ def test_no_allocation_means_refusal(aborted):
 
 def test_stale_index_fault_is_refused_and_the_page_table_restored(monkeypatch, aborted):
     monkeypatch.setenv(seams.FAULT_ENV, "stale-page-index")
+    monkeypatch.setattr(seams, "FAULT_MIN_PAGES", 3)
     tags = DecodePageTags(16)
     dreq = decode_req(tags, prompt=10)
     req_to_token = torch.arange(8, 24).unsqueeze(0).clone()
@@ -119,6 +121,11 @@ def test_release_spares_a_room_allocated_again():
     seams.allocate(second, [2])
     seams.release(first)
     assert tags.expected[ROOM] == second.hardened_epoch
+
+
+def test_faults_spare_short_transfers(monkeypatch):
+    monkeypatch.setenv(seams.FAULT_ENV, "drop-last-page")
+    assert seams.fault(seams.FAULT_MIN_PAGES) == "drop-last-page" and seams.fault(1) is None
 
 
 def test_unknown_fault_is_an_error(monkeypatch):

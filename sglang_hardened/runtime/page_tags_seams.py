@@ -22,7 +22,9 @@ Test-only fault hook: `SGLANG_HARDENED_FAULT` (off by default; logged loudly
 when set) makes this node misbehave the way broken transfers and allocators
 do, so the end-to-end tests can show H8 catching it: `drop-last-page`
 (prefill sends every chunk but its last page) and `stale-page-index`
-(decode points the request's first page at a page it does not own).
+(decode points the request's first page at a page it does not own), each on
+transfers of at least FAULT_MIN_PAGES pages only, so that a cluster's one-word
+readiness probe is still served.
 """
 
 from __future__ import annotations
@@ -40,16 +42,18 @@ from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuff
 FRAME_MAGIC = b"sglang-hardened-H8:"
 FAULT_ENV = "SGLANG_HARDENED_FAULT"
 FAULTS = ("drop-last-page", "stale-page-index")
+FAULT_MIN_PAGES = 16
 
 log = logging.getLogger("sglang_hardened")
 
 
-def fault() -> str | None:
-    """The test hook's fault, or None (always, outside the end-to-end tests)."""
+def fault(pages: int = FAULT_MIN_PAGES) -> str | None:
+    """The test hook's fault for a transfer of `pages` pages, or None (always, outside the
+    end-to-end tests)."""
     name = os.environ.get(FAULT_ENV) or None
     if name is not None and name not in FAULTS:
         raise ValueError(f"{FAULT_ENV}={name!r}: not one of {FAULTS}")
-    return name
+    return name if pages >= FAULT_MIN_PAGES else None
 
 
 def register(manager) -> None:
@@ -122,7 +126,7 @@ def before_send(manager, kv_chunk, req, dst_indices):
     """Seam in the Mooncake transfer worker right before `send_kvcache` to one destination:
     stamp the pages about to be sent with that destination's (room, epoch). Returns the chunk
     and destination indices to send (trimmed by the `drop-last-page` test fault)."""
-    if fault() == "drop-last-page" and len(dst_indices) > 0:
+    if fault(len(dst_indices)) == "drop-last-page":
         kv_chunk = dataclasses.replace(kv_chunk, prefill_kv_indices=kv_chunk.prefill_kv_indices[:-1])
         dst_indices = dst_indices[:-1]
     buffer = getattr(manager, "hardened_tags", None)
@@ -160,8 +164,8 @@ def refuse_untagged(transfer_queue, decode_req) -> bool:
         return False
     page_size = transfer_queue.scheduler.page_size
     slots = _page_table(transfer_queue, req, len(getattr(decode_req, "hardened_pages", ())), page_size)
-    restore = slots.clone() if fault() == "stale-page-index" else None
-    if restore is not None and len(slots):
+    restore = slots.clone() if fault(-(-len(slots) // page_size)) == "stale-page-index" else None
+    if restore is not None:
         _force_stale_index(slots, tags.buffer.rows.shape[0], page_size)
     try:
         tags.admit()
