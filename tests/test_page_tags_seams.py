@@ -132,3 +132,14 @@ def test_unknown_fault_is_an_error(monkeypatch):
     monkeypatch.setenv(seams.FAULT_ENV, "typo")
     with pytest.raises(ValueError):
         seams.fault()
+
+
+def test_fail_closed_refuses_clean_requests_after_a_mismatch(aborted):
+    tags = DecodePageTags(16, fail_closed=True)
+    queue = transfer_queue(torch.arange(8, 24).unsqueeze(0).clone())
+    bad, clean = decode_req(tags, 10), decode_req(tags, 10)
+    seams.allocate(bad, [2, 3, 4])
+    assert seams.refuse_untagged(queue, bad)
+    seams.allocate(clean, [2, 3, 4])
+    tags.buffer.stamp([2, 3, 4], ROOM, clean.hardened_epoch)
+    assert seams.refuse_untagged(queue, clean) and "stopped admitting" in aborted[1]

@@ -129,9 +129,9 @@ def before_send(manager, kv_chunk, req, dst_indices):
     if fault(len(dst_indices)) == "drop-last-page":
         kv_chunk = dataclasses.replace(kv_chunk, prefill_kv_indices=kv_chunk.prefill_kv_indices[:-1])
         dst_indices = dst_indices[:-1]
-    buffer = getattr(manager, "hardened_tags", None)
-    if buffer is not None and req.hardened_h8 is not None:
-        buffer.stamp(kv_chunk.prefill_kv_indices, req.room, req.hardened_h8)
+    buffer, epoch = getattr(manager, "hardened_tags", None), getattr(req, "hardened_h8", None)
+    if buffer is not None and epoch is not None:  # an info not built by `carried` is not stamped
+        buffer.stamp(kv_chunk.prefill_kv_indices, req.room, epoch)
         if buffer.device.type == "cuda":  # the engine reads the rows without joining torch's stream
             torch.cuda.current_stream(buffer.device).synchronize()
     return kv_chunk, dst_indices
