@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from . import FAKE_BOOTSTRAP_HOST
+from . import FAKE_BOOTSTRAP_HOST, abort_before_decode
 
 # Slots 1 and 2 of the metadata's bootstrap_room row (slot 0 is the room).
 STAMP_MAGIC = 0x4833_434F_5645_5231  # "H3COVER1": tells a stamp from a zeroed or stale slot
@@ -62,15 +62,9 @@ def refuse_uncovered(decode_req, row) -> bool:
     reason = uncovered_reason(decode_req.req, row)
     if reason is None:
         return False
-    from http import HTTPStatus
-
-    from sglang.srt.disaggregation.utils import prepare_abort
-
     refused_total += 1
     log.error("%s (refused so far: %d)", reason, refused_total)
-    prepare_abort(decode_req.req, reason, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
-    decode_req.kv_receiver.clear()
-    decode_req.kv_receiver = None
+    abort_before_decode(decode_req, reason)
     return True
 
 

@@ -1,0 +1,199 @@
+"""H8 seams: adapt SGLang's PD objects (Mooncake) to `page_tags`.
+
+Where the tags live and travel:
+- Both roles' Mooncake managers make a tag buffer beside the KV pool when
+  they register their buffers (`register`), and register it with the engine.
+- Decode picks an epoch for the request just before it sends prefill the
+  page indices (`allocate`), and sends the epoch, and once per session its
+  tag buffer's address, as one extra trailing ZMQ frame (`epoch_frame`,
+  `tags_frame`). A frame is tagged by a magic prefix and stripped before
+  upstream parses the message (`carried`), so an unhardened prefill, which
+  never reads frames past its own, just ignores it: it sends no tags and a
+  hardened decode refuses every request (no stamp means failure).
+- Prefill stamps its rows for the pages of a chunk right before the
+  synchronous send to one destination (`before_send`), and the rows move
+  as one more "layer" of the same batch (`tag_layer`), page index for page
+  index, so a row reaches decode exactly when its page's KV does.
+- Decode checks the pages in the request's page table before its first
+  decode step (`refuse_untagged`) and forgets the epoch there or when the
+  request is released before it (`release`).
+
+Test-only fault hook: `SGLANG_HARDENED_FAULT` (off by default; logged loudly
+when set) makes this node misbehave the way broken transfers and allocators
+do, so the end-to-end tests can show H8 catching it: `drop-last-page`
+(prefill sends every chunk but its last page) and `stale-page-index`
+(decode points the request's first page at a page it does not own), each on
+transfers of at least FAULT_MIN_PAGES pages only, so that a cluster's one-word
+readiness probe is still served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import struct
+
+import torch
+
+from . import FAKE_BOOTSTRAP_HOST, abort_before_decode
+from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
+
+FRAME_MAGIC = b"sglang-hardened-H8:"
+FAULT_ENV = "SGLANG_HARDENED_FAULT"
+FAULTS = ("drop-last-page", "stale-page-index")
+FAULT_MIN_PAGES = 16
+
+log = logging.getLogger("sglang_hardened")
+
+
+def fault(pages: int = FAULT_MIN_PAGES) -> str | None:
+    """The test hook's fault for a transfer of `pages` pages, or None (always, outside the
+    end-to-end tests)."""
+    name = os.environ.get(FAULT_ENV) or None
+    if name is not None and name not in FAULTS:
+        raise ValueError(f"{FAULT_ENV}={name!r}: not one of {FAULTS}")
+    return name if pages >= FAULT_MIN_PAGES else None
+
+
+def register(manager) -> None:
+    """Seam at the end of `MooncakeKVManager.register_buffer_to_engine`: one tag row per KV page
+    (a pool's pages are a layer's bytes over one page's bytes), on the pool's device."""
+    args = manager.kv_args
+    if not args.kv_item_lens:
+        return  # no full-token KV pool: nothing to tag (such transfers are refused on decode)
+    pages = args.kv_data_lens[0] // args.kv_item_lens[0]
+    device = torch.device("cuda", args.gpu_id) if torch.cuda.is_available() else torch.device("cpu")
+    if manager.disaggregation_mode.value == "decode":
+        manager.hardened_tags = DecodePageTags(pages, device)
+        buffer = manager.hardened_tags.buffer
+        log.info("sglang-hardened H8: decode page tags on, %d pages on %s; fail closed: %s (%s)",
+                 pages, device, manager.hardened_tags.fail_closed, FAIL_CLOSED_ENV)
+    else:
+        manager.hardened_tags = buffer = TagBuffer(pages, device)
+    if fault():
+        log.warning("sglang-hardened: TEST FAULT HOOK ON: %s=%s; this node corrupts transfers on purpose",
+                    FAULT_ENV, fault())
+    ptr, nbytes, _ = buffer.buf_info()
+    manager.engine.batch_register([ptr], [nbytes])
+
+
+def _frame(value: int) -> list[bytes]:
+    return [FRAME_MAGIC + struct.pack("<q", value)]
+
+
+def tags_frame(manager) -> list[bytes]:
+    """Seam in decode's registration message: the address prefill writes tag rows to."""
+    tags = getattr(manager, "hardened_tags", None)
+    return _frame(tags.buffer.buf_info()[0]) if isinstance(tags, DecodePageTags) else []
+
+
+def epoch_frame(manager, room: int) -> list[bytes]:
+    """Seam in decode's metadata message: the epoch prefill stamps the room's pages with."""
+    tags = getattr(manager, "hardened_tags", None)
+    epoch = tags.expected.get(room) if isinstance(tags, DecodePageTags) else None
+    return [] if epoch is None else _frame(epoch)
+
+
+def carried(from_zmq, msg: list[bytes]):
+    """Seam on prefill around `KVArgsRegisterInfo.from_zmq` / `TransferInfo.from_zmq`: strip
+    decode's H8 frame before upstream parses the message; keep its value as `.hardened_h8`."""
+    value = None
+    if msg and msg[-1].startswith(FRAME_MAGIC):
+        value = struct.unpack("<q", msg[-1][len(FRAME_MAGIC):])[0]
+        msg = msg[:-1]
+    info = from_zmq(msg)
+    info.hardened_h8 = value
+    return info
+
+
+def _decode_tags(decode_req) -> DecodePageTags | None:
+    """The request's decode tags; None for warm-up (fake) receivers and backends without H8."""
+    tags = getattr(getattr(decode_req.kv_receiver, "kv_mgr", None), "hardened_tags", None)
+    return tags if isinstance(tags, DecodePageTags) else None
+
+
+def allocate(decode_req, page_indices) -> None:
+    """Seam in decode right before `kv_receiver.send_metadata(page_indices, ...)`: the pages are
+    this request's from now on; a new epoch makes whatever they held vouch for nobody."""
+    tags = _decode_tags(decode_req)
+    if tags is not None:
+        decode_req.hardened_epoch = tags.allocate(decode_req.req.bootstrap_room, page_indices)
+        decode_req.hardened_pages = page_indices
+
+
+def before_send(manager, kv_chunk, req, dst_indices):
+    """Seam in the Mooncake transfer worker right before `send_kvcache` to one destination:
+    stamp the pages about to be sent with that destination's (room, epoch). Returns the chunk
+    and destination indices to send (trimmed by the `drop-last-page` test fault)."""
+    if fault(len(dst_indices)) == "drop-last-page":
+        kv_chunk = dataclasses.replace(kv_chunk, prefill_kv_indices=kv_chunk.prefill_kv_indices[:-1])
+        dst_indices = dst_indices[:-1]
+    buffer, epoch = getattr(manager, "hardened_tags", None), getattr(req, "hardened_h8", None)
+    if buffer is not None and epoch is not None:  # an info not built by `carried` is not stamped
+        buffer.stamp(kv_chunk.prefill_kv_indices, req.room, epoch)
+        if buffer.device.type == "cuda":  # the engine reads the rows without joining torch's stream
+            torch.cuda.current_stream(buffer.device).synchronize()
+    return kv_chunk, dst_indices
+
+
+def tag_layer(manager, session_id: str, src_data_ptrs) -> list[tuple[int, int, int]]:
+    """Seam in `_send_kvcache_generic` after the layer list is built: the tag rows as one more
+    (src, dst, item_len) layer when this is the KV pool's transfer and both ends have tags."""
+    buffer = getattr(manager, "hardened_tags", None)
+    dst_ptr = getattr(manager.decode_kv_args_table.get(session_id), "hardened_h8", None)
+    if buffer is None or dst_ptr is None or src_data_ptrs is not manager.kv_args.kv_data_ptrs:
+        return []
+    src_ptr, _, item_len = buffer.buf_info()
+    return [(src_ptr, dst_ptr, item_len)]
+
+
+def _page_table(transfer_queue, req, pages: int, page_size: int) -> torch.Tensor:
+    """Token slots of the request's last `pages` prompt pages (the transferred ones) in its page table."""
+    length = len(req.origin_input_ids)
+    start = (-(-length // page_size) - pages) * page_size
+    return transfer_queue.scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:length]
+
+
+def refuse_untagged(transfer_queue, decode_req) -> bool:
+    """Seam in decode's `_commit_transfer_to_req`, next to H3's: refuse the request (True: the
+    caller returns) unless every page it is about to read carries its (room, epoch)."""
+    req = decode_req.req
+    tags = _decode_tags(decode_req)
+    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or tags is None:
+        return False
+    page_size = transfer_queue.scheduler.page_size
+    slots = _page_table(transfer_queue, req, len(getattr(decode_req, "hardened_pages", ())), page_size)
+    restore = slots.clone() if fault(-(-len(slots) // page_size)) == "stale-page-index" else None
+    if restore is not None:
+        _force_stale_index(slots, tags.buffer.rows.shape[0], page_size)
+    try:
+        tags.admit()
+        reason = tags.check(req.bootstrap_room, slots[::page_size] // page_size)
+    except PageTagMismatch as closed:
+        reason = str(closed)
+    release(decode_req)
+    if reason is None:
+        return False
+    if restore is not None:
+        slots.copy_(restore)  # upstream frees the page table's slots: give back the ones it owns
+    abort_before_decode(decode_req, f"{reason} (refused so far: {tags.mismatched_requests})")
+    return True
+
+
+def _force_stale_index(slots: torch.Tensor, pool_pages: int, page_size: int) -> None:
+    """Test fault: point the first page at the lowest page (0 is the pool's padding) it does not own."""
+    owned = set((slots[::page_size] // page_size).tolist())
+    stale = next(p for p in range(1, pool_pages) if p not in owned)
+    first = slots[:page_size]
+    first.copy_(stale * page_size + torch.arange(len(first), dtype=first.dtype, device=first.device))
+
+
+def release(decode_req) -> None:
+    """Seam in decode's `_do_release` (and after the check): the room's epoch is forgotten and its
+    pages stop vouching for anyone, so a late write or a stale reader matches nothing."""
+    tags = _decode_tags(decode_req)
+    room, epoch = decode_req.req.bootstrap_room, getattr(decode_req, "hardened_epoch", None)
+    if tags is not None and epoch is not None and tags.expected.get(room) == epoch:
+        tags.release(room, decode_req.hardened_pages)  # not if the room has been allocated again since
+    decode_req.hardened_epoch = None

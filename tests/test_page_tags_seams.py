@@ -1,0 +1,145 @@
+"""H8 seams against stand-ins for SGLang's objects: the frames round-trip, an unhardened
+peer is refused, the tag layer is added only to the KV pool's transfer, the fault hook
+and the check read the page table."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_hardened.runtime import page_tags_seams as seams
+from sglang_hardened.runtime.page_tags import DecodePageTags, TagBuffer
+
+PAGE = 4
+ROOM = 7
+
+
+@dataclass
+class Chunk:  # TransferKVChunk's field the seam reads
+    prefill_kv_indices: torch.Tensor
+
+
+def decode_req(tags: DecodePageTags | None, prompt: int, pool_idx: int = 0):
+    req = SimpleNamespace(bootstrap_room=ROOM, bootstrap_host="10.0.0.1",
+                          origin_input_ids=list(range(prompt)), kv=SimpleNamespace(req_pool_idx=pool_idx))
+    return SimpleNamespace(req=req, kv_receiver=SimpleNamespace(kv_mgr=SimpleNamespace(hardened_tags=tags)))
+
+
+def transfer_queue(req_to_token: torch.Tensor):
+    pool = SimpleNamespace(req_to_token=req_to_token)
+    return SimpleNamespace(scheduler=SimpleNamespace(page_size=PAGE, req_to_token_pool=pool))
+
+
+@pytest.fixture
+def aborted(monkeypatch) -> list[str]:
+    seen: list[str] = []
+    monkeypatch.setattr(seams, "abort_before_decode", lambda _req, reason: seen.append(reason))
+    return seen
+
+
+def test_frames_round_trip_and_upstream_parses_the_rest():
+    manager = SimpleNamespace(hardened_tags=DecodePageTags(8))
+    manager.hardened_tags.expected[ROOM] = 3
+    msg = [b"a", b"b"] + seams.epoch_frame(manager, ROOM)
+    info = seams.carried(lambda rest: SimpleNamespace(frames=rest), msg)
+    assert info.frames == [b"a", b"b"] and info.hardened_h8 == 3
+    ptr = struct.unpack("<q", seams.tags_frame(manager)[0][len(seams.FRAME_MAGIC):])[0]
+    assert ptr == manager.hardened_tags.buffer.rows.data_ptr()
+
+
+def test_unhardened_peers_send_and_get_no_frame():
+    assert seams.carried(lambda rest: SimpleNamespace(), [b"a"]).hardened_h8 is None
+    assert seams.tags_frame(SimpleNamespace()) == [] and seams.epoch_frame(SimpleNamespace(), ROOM) == []
+
+
+def test_tag_layer_only_for_the_kv_pool_and_a_hardened_decode():
+    kv_ptrs = [1, 2]
+    manager = SimpleNamespace(hardened_tags=TagBuffer(8), kv_args=SimpleNamespace(kv_data_ptrs=kv_ptrs),
+                              decode_kv_args_table={"s": SimpleNamespace(hardened_h8=99),
+                                                    "old": SimpleNamespace(hardened_h8=None)})
+    src, _, item = manager.hardened_tags.buf_info()
+    assert seams.tag_layer(manager, "s", kv_ptrs) == [(src, 99, item)]
+    assert seams.tag_layer(manager, "s", [1, 2]) == []  # a state buffer's transfer
+    assert seams.tag_layer(manager, "old", kv_ptrs) == []
+
+
+def test_before_send_stamps_and_the_fault_drops_the_last_page(monkeypatch):
+    buffer = TagBuffer(8)
+    monkeypatch.setenv(seams.FAULT_ENV, "drop-last-page")
+    monkeypatch.setattr(seams, "FAULT_MIN_PAGES", 3)
+    chunk = Chunk(torch.tensor([1, 2, 3]))
+    sent, dst = seams.before_send(SimpleNamespace(hardened_tags=buffer), chunk,
+                                  SimpleNamespace(room=ROOM, hardened_h8=5), torch.tensor([4, 5, 6]))
+    assert sent.prefill_kv_indices.tolist() == [1, 2] and dst.tolist() == [4, 5]
+    assert buffer.rows[[1, 2, 3]].tolist() == [[ROOM, 5], [ROOM, 5], [-1, -1]]
+
+
+def test_check_reads_the_page_table_and_releases(aborted):
+    tags = DecodePageTags(16)
+    dreq = decode_req(tags, prompt=10)  # 3 pages: slots 8..19 -> pages 2, 3, 4
+    req_to_token = torch.arange(8, 8 + 16).unsqueeze(0).clone()
+    seams.allocate(dreq, [2, 3, 4])
+    tags.buffer.stamp([2, 3, 4], ROOM, dreq.hardened_epoch)  # what the transfer carries
+    assert not seams.refuse_untagged(transfer_queue(req_to_token), dreq) and not aborted
+    assert ROOM not in tags.expected and tags.buffer.rows[2].tolist() == [-1, -1]  # released
+
+
+def test_a_page_the_transfer_did_not_write_is_refused(aborted):
+    tags = DecodePageTags(16)
+    dreq = decode_req(tags, prompt=10)
+    seams.allocate(dreq, [2, 3, 4])
+    tags.buffer.stamp([2, 3], ROOM, dreq.hardened_epoch)
+    assert seams.refuse_untagged(transfer_queue(torch.arange(8, 24).unsqueeze(0).clone()), dreq)
+    assert "1 of its 3 pages" in aborted[0]
+
+
+def test_no_allocation_means_refusal(aborted):
+    assert seams.refuse_untagged(transfer_queue(torch.arange(8, 24).unsqueeze(0)), decode_req(DecodePageTags(16), 10))
+    assert "no pages were given to check" in aborted[0]
+
+
+def test_stale_index_fault_is_refused_and_the_page_table_restored(monkeypatch, aborted):
+    monkeypatch.setenv(seams.FAULT_ENV, "stale-page-index")
+    monkeypatch.setattr(seams, "FAULT_MIN_PAGES", 3)
+    tags = DecodePageTags(16)
+    dreq = decode_req(tags, prompt=10)
+    req_to_token = torch.arange(8, 24).unsqueeze(0).clone()
+    seams.allocate(dreq, [2, 3, 4])
+    tags.buffer.stamp([2, 3, 4], ROOM, dreq.hardened_epoch)
+    assert seams.refuse_untagged(transfer_queue(req_to_token), dreq)
+    assert req_to_token[0].tolist() == list(range(8, 24))
+
+
+def test_release_spares_a_room_allocated_again():
+    tags = DecodePageTags(16)
+    first, second = decode_req(tags, 4), decode_req(tags, 4)
+    seams.allocate(first, [1])
+    seams.allocate(second, [2])
+    seams.release(first)
+    assert tags.expected[ROOM] == second.hardened_epoch
+
+
+def test_faults_spare_short_transfers(monkeypatch):
+    monkeypatch.setenv(seams.FAULT_ENV, "drop-last-page")
+    assert seams.fault(seams.FAULT_MIN_PAGES) == "drop-last-page" and seams.fault(1) is None
+
+
+def test_unknown_fault_is_an_error(monkeypatch):
+    monkeypatch.setenv(seams.FAULT_ENV, "typo")
+    with pytest.raises(ValueError):
+        seams.fault()
+
+
+def test_fail_closed_refuses_clean_requests_after_a_mismatch(aborted):
+    tags = DecodePageTags(16, fail_closed=True)
+    queue = transfer_queue(torch.arange(8, 24).unsqueeze(0).clone())
+    bad, clean = decode_req(tags, 10), decode_req(tags, 10)
+    seams.allocate(bad, [2, 3, 4])
+    assert seams.refuse_untagged(queue, bad)
+    seams.allocate(clean, [2, 3, 4])
+    tags.buffer.stamp([2, 3, 4], ROOM, clean.hardened_epoch)
+    assert seams.refuse_untagged(queue, clean) and "stopped admitting" in aborted[1]
