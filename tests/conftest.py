@@ -16,6 +16,7 @@ import pytest
 from sglang_hardened.build import build
 from sglang_hardened.lock import load_lock
 from sglang_hardened.paths import patches_dir
+from sglang_hardened.series import copy_without
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,6 +61,18 @@ def tree_copy(tmp_path, patches, monkeypatch) -> Path:
     shutil.copytree(patches, copy)
     monkeypatch.setenv("SGLANG_HARDENED_PATCHES", str(copy))
     return copy
+
+
+@pytest.fixture
+def drop_ids(tree_copy, tmp_path):
+    """Leave hardening ids out of one base's series in the tree copy."""
+
+    def drop(base: str, *ids: str) -> None:
+        lean = copy_without(tree_copy, base, ids, tmp_path / f"without-{base}")
+        shutil.rmtree(tree_copy / base)
+        shutil.copytree(lean / base, tree_copy / base)
+
+    return drop
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ H1 = "0004-h1-reject-intake-aborted-requests-at-admission.patch"
 H2 = "0005-h2-no-success-over-pending-abort.patch"
 H3 = "0006-h3-refuse-decode-over-unwritten-pages.patch"
 H4 = "0007-h4-end-request-on-decode-when-prefill-ends-it.patch"
+H8 = "0010-h8-page-ownership-tags.patch"
 H6B = "0020-h6-backport-mooncake-transfer-batch-indices.patch"
 H6 = "0021-h6-bound-mooncake-transfer-calls.patch"
 # Where 0.5.19 lacks a helper, its H1 variant uses the older call (a 3-way merge
@@ -42,8 +43,9 @@ H1_0520_ONLY = "+        self._release_aborted_request(req)"
 @pytest.mark.parametrize("target, verdict, h1, h2", [
     ("0.5.20", OFFSET, MERGED, MERGED), ("0.5.21", MERGED, UPSTREAM, MERGED),
     ("0.5.22", CONFLICT, UPSTREAM, CONFLICT), ("0.5.23", CONFLICT, UPSTREAM, CONFLICT)])
-def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdict, h1, h2, tmp_path):
+def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, target, verdict, h1, h2, tmp_path):
     drop_base(target)
+    drop_ids("0.5.19", "H8")  # per-base variants: tests below and test_h8_* say what it needs
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED,
@@ -59,7 +61,7 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, target, verdi
     carried_lines = [added_lines(p.diff) for p in carried.patches]
     if target == "0.5.20":
         carried_lines[3] = [H1_0520_ONLY if line == H1_0519_ONLY else line for line in carried_lines[3]]
-    assert carried_lines == [added_lines(p.diff) for p in load_series(patches, target).patches]
+    assert carried_lines == [added_lines(p.diff) for p in load_series(patches, target).patches if p.name != H8]
     assert load_lock(tree_copy)[target] == result.pin
     assert all(row.ok for row in verify_base(tree_copy, target))
     [wheel], _ = build([target], tmp_path / "out", patches=tree_copy)
@@ -71,9 +73,10 @@ def added_lines(diff: str) -> list[str]:
             and line.strip("+ ")]
 
 
-def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy):
+def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy, drop_ids):
     """0.5.20's H1 backport is 'already upstream' on 0.5.21: dropped and recorded."""
     shutil.rmtree(tree_copy / "0.5.21")
+    drop_ids("0.5.20", "H8")
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H6: APPLIES}
@@ -82,6 +85,17 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy):
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / H1).exists()
     assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H6]
+
+
+def test_h8_needs_a_human_where_upstream_refactored_the_mooncake_receiver(tree_copy):
+    """0.5.23 moved the Mooncake receiver's bootstrap messages into common code: H8's seams
+    there conflict (the rest of 0.5.22's series carries), and the job says so."""
+    shutil.rmtree(tree_copy / "0.5.23")
+    result = rebase(tree_copy, "0.5.22", "0.5.23")
+    conflicts = [v for v in result.verdicts if v.verdict == CONFLICT]
+    assert [v.patch.name for v in conflicts] == [H8]
+    assert "sglang/srt/disaggregation/mooncake/conn.py" in conflicts[0].rejects
+    assert not result.clean
 
 
 def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree_copy, tmp_path):
@@ -94,7 +108,7 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert not (tree_copy / "0.5.23").exists()
     assert (tree_copy / "upstream.lock").read_text() == lock_before
     rejected = sorted(rejects.iterdir())
-    assert [r.name.split(".", 1)[0] for r in rejected] == [H0.removesuffix(".patch"), H2.removesuffix(".patch")]
+    assert {r.name.split(".", 1)[0] for r in rejected} == {p.removesuffix(".patch") for p in (H0, H2, H8)}
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 
