@@ -88,7 +88,8 @@ def test_hardened_truncation_with_unequal_limits_is_refused(start_cluster, base,
     assert all(r.status == 500 and "sglang-hardened H3" in r.body for r in replies(v["same_page"])), v["same_page"].replies
     assert all(r.status == 200 for r in replies(v["control"])) and not v["control"].leaked
     assert wait_pages_idle(cluster, idle) == idle
-    assert "sends 32" in cluster.log_tail("prefill", 2000)  # the sender's own check fired
+    if backend == "mooncake":  # the sender's own check (Mooncake's transfer worker) fired
+        assert "sends 32" in cluster.log_tail("prefill", 2000)
     assert "holds the prompt as 509 tokens" in cluster.log_tail("decode", 2000)
 
 
