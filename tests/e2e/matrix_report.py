@@ -1,4 +1,4 @@
-"""Render a junit XML of tests/e2e/test_oversized.py as the matrix table in docs/e2e-matrix.md."""
+"""Render junit XML of tests/e2e/test_oversized.py runs as the matrix table in docs/e2e-matrix.md."""
 
 from __future__ import annotations
 
@@ -43,7 +43,11 @@ def render(found: dict[tuple[str, str, str], str], commit: str) -> str:
 
 
 if __name__ == "__main__":
-    junit, out = map(Path, sys.argv[1:3])
+    # matrix_report.py OUT JUNIT... : a later run's result for a case replaces an earlier one's
+    out, *junits = map(Path, sys.argv[1:])
+    found: dict[tuple[str, str, str], str] = {}
+    for junit in junits:
+        found.update(outcomes(junit))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out.write_text(render(outcomes(junit), commit or "unknown"))
+    out.write_text(render(found, commit or "unknown"))
     print(out.read_text())
