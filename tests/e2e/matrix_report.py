@@ -33,13 +33,16 @@ def outcomes(junit: Path) -> dict[tuple[str, str, str], str]:
 
 
 def render(found: dict[tuple[str, str, str], str], commit: str) -> str:
+    """One row per base and backend, one numbered column per scenario (legend below)."""
     pairs = sorted({(base, backend) for _, base, backend in found})
     tests = sorted({test for test, _, _ in found})
-    rows = [[test.removeprefix("test_")] + [found.get((test, b, k), "-") for b, k in pairs] for test in tests]
-    table = format_table(["scenario"] + [f"{b} {k}" for b, k in pairs], rows)
+    rows = [[f"{b} {k}"] + [found.get((test, b, k), "-") for test in tests] for b, k in pairs]
+    table = format_table(["base backend"] + [str(i) for i in range(1, len(tests) + 1)], rows)
+    legend = "\n".join(f"{i}. `{test}`" for i, test in enumerate(tests, 1))
     return (f"# Oversized-prompt scenarios: the full matrix\n\n"
-            f"Last full run: {dt.date.today()}, commit {commit}, `scripts/e2e-matrix` (CI runs every scenario on 0.5.19 "
-            f"and 0.5.23 with Mooncake and one on each other base and backend).\n\n```\n{table}\n```\n")
+            f"Last full run: {dt.date.today()}, commit {commit}, `scripts/e2e-matrix` (CI runs every scenario "
+            f"on 0.5.19 and 0.5.23 with Mooncake and one on each other base and backend; `-`: the "
+            f"scenario does not apply there).\n\n```\n{table}\n```\n\n{legend}\n")
 
 
 if __name__ == "__main__":
