@@ -26,7 +26,8 @@ PROMPT = "page cache token key of the " * 100  # 600 tokens: fits both pools
 REJECTED = "TCP lane queue-full rejection"
 
 
-@pytest.mark.parametrize("base", ["0.5.19", "0.5.23"])
+# One base shows upstream's failure in CI (0.5.19, with no bound at all, fails the same way).
+@pytest.mark.parametrize("base", ["0.5.23"])
 def test_upstream_fails_a_transfer_over_the_tcp_per_call_limit(base, start_cluster):
     cluster = start_cluster(sandbox_env(base), model="deep", probe_transfer=False, **PARAMS)
     reply = cluster.generate(PROMPT, timeout=300)
