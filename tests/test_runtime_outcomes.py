@@ -34,9 +34,38 @@ def test_outcome_log_forgets_what_is_older_than_its_window(monkeypatch):
 def test_verdicts_are_bounded_and_keyed_by_room(monkeypatch):
     monkeypatch.setattr(outcomes, "RETAIN_MAX", 3)
     verdicts = Verdicts()
-    verdicts.add([outcomes.Outcome(0, room, 400, f"m{room}", 0.0) for room in range(5)])
+    verdicts.add([outcomes.Outcome(0, room, 400, f"m{room}", time.monotonic()) for room in range(5)])
     assert verdicts.get(0) is None and verdicts.get(1) is None
     assert verdicts.get(4).message == "m4" and verdicts.get(None) is None
+
+
+def test_verdicts_older_than_the_window_are_forgotten():
+    verdicts = Verdicts()
+    verdicts.add([outcomes.Outcome(0, 1, 400, "old", time.monotonic() - outcomes.RETAIN_S - 1)])
+    assert verdicts.get(1) is None
+
+
+def test_outcomes_route_serves_the_log_and_refuses_a_malformed_position(monkeypatch):
+    """The bootstrap server's route, on a real aiohttp server on loopback."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    monkeypatch.setattr(outcomes, "OUTCOMES", OutcomeLog())
+    outcomes.OUTCOMES.add(7, 400, "too long")
+    app = web.Application()
+    outcomes.add_routes(app)
+
+    async def run():
+        async with TestClient(TestServer(app)) as client:
+            ok = await client.get(outcomes.OUTCOMES_ROUTE, params={"after": "-1"})
+            bad = await client.get(outcomes.OUTCOMES_ROUTE, params={"after": "x"})
+            return ok.status, await ok.json(), bad.status, await bad.text()
+
+    status, body, bad_status, bad_text = asyncio.run(run())
+    assert status == 200 and body == {"seq": 1, "outcomes": [[7, 400, "too long"]]}
+    assert bad_status == 400 and "after must be an integer" in bad_text
 
 
 def _prefill_manager(mode="prefill"):
@@ -58,7 +87,7 @@ def test_only_prefill_aborts_are_noted(monkeypatch, mode, reason, noted):
 
 def test_decode_answers_with_prefills_status_and_message_for_that_room_only(monkeypatch):
     verdicts = Verdicts()
-    verdicts.add([outcomes.Outcome(0, 9, 400, "Input length (601 tokens) exceeds ...", 0.0)])
+    verdicts.add([outcomes.Outcome(0, 9, 400, "Input length (601 tokens) exceeds ...", time.monotonic())])
     monkeypatch.setattr(outcomes, "VERDICTS", verdicts)
     assert outcomes.prefill_verdict(SimpleNamespace(bootstrap_room=9), "transfer failed", 500) == (
         "Input length (601 tokens) exceeds ...", 400)

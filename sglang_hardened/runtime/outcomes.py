@@ -89,7 +89,7 @@ class Verdicts:
     def add(self, outcomes: list[Outcome]) -> None:
         with self._lock:
             for o in outcomes:
-                self._by_room[o.room] = Outcome(o.seq, o.room, o.status, o.message, time.monotonic())
+                self._by_room[o.room] = o
             horizon = time.monotonic() - RETAIN_S
             while self._by_room and (len(self._by_room) > RETAIN_MAX
                                      or next(iter(self._by_room.values())).at < horizon):
@@ -131,7 +131,10 @@ def add_routes(app) -> None:
     from aiohttp import web
 
     async def outcomes(request: web.Request) -> web.Response:
-        after = int(request.query.get("after", "-1"))
+        try:
+            after = int(request.query.get("after", "-1"))
+        except ValueError:
+            raise web.HTTPBadRequest(text=f"after must be an integer sequence number, not {request.query['after']!r}")
         seq, items = await asyncio.get_running_loop().run_in_executor(
             None, OUTCOMES.since, after, LONG_POLL_S)
         return web.json_response({"seq": seq, "outcomes": [[o.room, o.status, o.message] for o in items]})
@@ -163,7 +166,8 @@ def _watch(addr: str) -> None:
             seq = -1
             continue
         seq = data["seq"]
-        VERDICTS.add([Outcome(0, int(room), int(status), str(message), 0.0)
+        received = time.monotonic()  # age counts on this host's clock, from arrival
+        VERDICTS.add([Outcome(seq, int(room), int(status), str(message), received)
                       for room, status, message in data["outcomes"]])
 
 
@@ -187,18 +191,17 @@ def fail_requests_prefill_ended(scheduler) -> None:
     ended = []
     for req in queued:
         _ensure_watching(req.bootstrap_host, req.bootstrap_port)
-        if VERDICTS.get(req.bootstrap_room) is not None and not req.finished() \
-                and req.rid not in _ended_rids:
-            ended.append(req)
+        outcome = VERDICTS.get(req.bootstrap_room)
+        if outcome is not None and not req.finished() and req.rid not in _ended_rids:
+            ended.append((req, outcome))
     if not ended:
         return
     from sglang.srt.managers.io_struct import AbortReq
 
-    for req in ended:
+    for req, outcome in ended:
         _ended_rids[req.rid] = None
         while len(_ended_rids) > RETAIN_MAX:
             _ended_rids.popitem(last=False)
-        outcome = VERDICTS.get(req.bootstrap_room)
         log.info("sglang-hardened H4: prefill ended request %s (room %s) with %s: %s; ending it here",
                  req.rid, req.bootstrap_room, outcome.status, outcome.message)
         scheduler.abort_request(AbortReq(rid=req.rid))

@@ -250,12 +250,12 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
     root = cache_dir() / "hardened"
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{base}-") as tmp:
-        patches = patches or patches_dir()
-        if without:
-            patches = copy_without(patches, base, without, Path(tmp) / "patches")
         out = Path(tmp) / "out"
         out.mkdir()
         try:
+            patches = patches or patches_dir()
+            if without:
+                patches = copy_without(patches, base, without, Path(tmp) / "patches")
             [result], tool = build([base], out, patches=patches)
         except HardenedError as e:
             raise SandboxError(f"hardened build of {base} failed: {e}") from e
