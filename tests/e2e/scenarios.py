@@ -77,6 +77,8 @@ def prompt_of(tokens: int) -> str:
 AT_LIMIT, OVER_LIMIT = prompt_of(249), prompt_of(250)
 CHUNKED = prompt_of(201)  # four 64-token chunks: needs chunked prefill, fits the pool
 BOUNDARY_PARAMS = dict(**LEAK_PARAMS, chunked_prefill_size=64)
+# A configuration H7 accepts: both pools hold the context (and decode its 512-token reserve).
+SAFE_PARAMS = dict(prefill_pool_tokens=1024, decode_pool_tokens=1600, context_length=1024)
 
 # The roles disagree on the prompt: --allow-auto-truncate with prefill's input
 # limit (min(511, 1023) - 5 = 506) below decode's (1018), pages of 16 tokens.
@@ -129,7 +131,7 @@ class TimeoutObservation:
     via_lb: Reply  # B through mini-lb (prefill and decode)
 
 
-def _bootstrap(cluster: Cluster) -> dict:
+def bootstrap_fields(cluster: Cluster) -> dict:
     """The fields a load balancer adds: where decode meets prefill, and a fresh room."""
     return {"bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.bootstrap_port,
             "bootstrap_room": random.getrandbits(62)}
@@ -138,7 +140,7 @@ def _bootstrap(cluster: Cluster) -> dict:
 def observe_pair(cluster: Cluster, prompt: str) -> tuple[Reply, Reply]:
     """What prefill and decode each answer to one request sent to both, as a load balancer
     does (mini-lb shows the client decode's answer only)."""
-    bootstrap = _bootstrap(cluster)
+    bootstrap = bootstrap_fields(cluster)
     timeout = cluster.params.waiting_timeout_s * 4 + 60
     with ThreadPoolExecutor(2) as pool:
         prefill, decode = (pool.submit(generate, url, prompt, extra=bootstrap, timeout=timeout)
@@ -147,6 +149,6 @@ def observe_pair(cluster: Cluster, prompt: str) -> tuple[Reply, Reply]:
 
 
 def observe_oversized_via_lb(cluster: Cluster) -> TimeoutObservation:
-    at_prefill = generate(cluster.prefill_url, OVERSIZED_B, extra=_bootstrap(cluster), timeout=60)
+    at_prefill = generate(cluster.prefill_url, OVERSIZED_B, extra=bootstrap_fields(cluster), timeout=60)
     via_lb = cluster.generate(OVERSIZED_B, timeout=cluster.params.waiting_timeout_s * 4 + 60)
     return TimeoutObservation(at_prefill, via_lb)

@@ -1,0 +1,85 @@
+"""Page ledger (test instrumentation): when decode pages are exposed, written and freed.
+
+Applied by the overlay's edits to upstream and hardened builds alike, so one
+oracle judges both: a decode page must not go back to the free list while a
+write into it may still land. Off unless ``SANDBOX_LEDGER_DIR`` is set; each
+process appends JSON lines to ``<dir>/<pid>.jsonl``, stamped with
+CLOCK_MONOTONIC (one clock for every process on the host):
+
+- decode ``expose`` {room, pages}: decode sent prefill these page indices for
+  the room; from now on prefill may write into them.
+- decode ``free`` {pages}: these pages went back to the free list.
+- prefill ``begin`` {room, pages} / ``end`` {room, rc}: one synchronous
+  transfer call into those decode pages started / returned.
+
+``tests/e2e/ledger.py`` reads the files and reports every page freed after
+its exposure and before a write into it for that exposure ended.
+
+``SANDBOX_SLOW_SEND_S`` stands in for a slow link (a CPU host moves a
+tiny model's KV in microseconds): a call into at least ``SLOW_MIN_PAGES``
+pages waits that long after ``begin`` before it writes, so an abort can
+arrive while the transfer is in flight; the write itself is real and lands
+after the wait.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+DIR_ENV = "SANDBOX_LEDGER_DIR"
+SLOW_ENV = "SANDBOX_SLOW_SEND_S"
+SLOW_MIN_PAGES = 16
+
+_lock = threading.Lock()
+_exposed_here = False  # only a process that exposes pages (decode) records its frees
+
+
+def _record(ev: str, **fields) -> None:
+    folder = os.environ.get(DIR_ENV)
+    if not folder:
+        return
+    line = json.dumps({"t": time.monotonic(), "ev": ev, **fields}) + "\n"
+    with _lock, open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as out:
+        out.write(line)
+
+
+def _ints(indices) -> list[int]:
+    return [int(i) for i in (indices.tolist() if hasattr(indices, "tolist") else indices)]
+
+
+def exposed(room, page_indices) -> None:
+    """Decode, right before it sends prefill the room's page indices."""
+    global _exposed_here
+    _exposed_here = True
+    _record("expose", room=int(room), pages=_ints(page_indices))
+
+
+def freed(token_indices, page_size: int) -> None:
+    """Decode's allocator, where token slots go back to the free list."""
+    if _exposed_here:
+        _record("free", pages=sorted({i // page_size for i in _ints(token_indices)}))
+
+
+def freed_pages(*page_ids) -> None:
+    """Decode's paged allocator, where pages go back to the free list."""
+    if _exposed_here:
+        _record("free", pages=sorted({p for ids in page_ids for p in _ints(ids)}))
+
+
+def writing(req, dst_pages, send):
+    """Prefill's transfer worker: ``send`` wrapped so the call is recorded (and slowed)."""
+    def call(*args, **kwargs):
+        room, pages = int(req.room), _ints(dst_pages)
+        _record("begin", room=room, pages=pages)
+        rc = None
+        try:
+            if len(pages) >= SLOW_MIN_PAGES and os.environ.get(SLOW_ENV):
+                time.sleep(float(os.environ[SLOW_ENV]))
+            rc = send(*args, **kwargs)
+            return rc
+        finally:
+            _record("end", room=room, rc=rc if isinstance(rc, int) else None)
+    return call

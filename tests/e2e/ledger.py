@@ -1,0 +1,93 @@
+"""Reads the page ledger the overlay's ``sgl_ledger`` writes and judges it.
+
+The rule: a decode page exposed to a room's transfer must not go back to the
+free list before every write of that room into it has returned. A write
+that never returned (its prefill was killed or hangs) may still land until
+``writers_dead_at``, the time the test killed the writer, or forever.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "sgl_ledger", Path(__file__).parents[1] / "cpu_overlay" / "site" / "sgl_ledger.py")
+writer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(writer)  # the writer's own names: DIR_ENV, SLOW_ENV, SLOW_MIN_PAGES
+
+
+@dataclass(frozen=True)
+class Write:
+    room: int
+    pages: tuple[int, ...]
+    begin: float
+    end: float  # math.inf: never returned
+    rc: int | None
+
+
+@dataclass(frozen=True)
+class UnsafeFree:
+    """Decode freed ``page`` of ``room`` at ``freed_at`` while the room's write into it could land."""
+
+    room: int
+    page: int
+    freed_at: float
+    write_end: float
+
+    def __str__(self) -> str:
+        until = "never returned" if math.isinf(self.write_end) else f"returned {self.write_end - self.freed_at:.3f} s later"
+        return f"room {self.room}: page {self.page} freed while its write was in flight (the write {until})"
+
+
+class Ledger:
+    """All events of one cluster run, in time order."""
+
+    def __init__(self, folder: Path) -> None:
+        self.files = sorted(folder.glob("*.jsonl"))
+        events = [dict(json.loads(line), pid=f.stem) for f in self.files for line in f.read_text().splitlines()]
+        self.events = sorted(events, key=lambda e: e["t"])
+
+    def of(self, ev: str) -> list[dict]:
+        return [e for e in self.events if e["ev"] == ev]
+
+    def writes(self, writers_dead_at: float = math.inf) -> list[Write]:
+        """Each begin paired with the next end of its room in its process."""
+        open_: dict[tuple[str, int], list[dict]] = defaultdict(list)
+        done: list[Write] = []
+        for e in self.events:
+            key = (e["pid"], e.get("room"))
+            if e["ev"] == "begin":
+                open_[key].append(e)
+            elif e["ev"] == "end" and open_[key]:
+                b = open_[key].pop(0)
+                done.append(Write(b["room"], tuple(b["pages"]), b["t"], e["t"], e["rc"]))
+        done += [Write(b["room"], tuple(b["pages"]), b["t"], writers_dead_at, None)
+                 for begins in open_.values() for b in begins]
+        return done
+
+    def unsafe_frees(self, writers_dead_at: float = math.inf) -> list[UnsafeFree]:
+        """Every page freed after its exposure to a room and before that room's write into it returned."""
+        exposures: dict[int, list[tuple[float, int]]] = defaultdict(list)  # page -> [(t, room)]
+        frees: dict[int, list[float]] = defaultdict(list)
+        for e in self.events:
+            if e["ev"] == "expose":
+                for p in e["pages"]:
+                    exposures[p].append((e["t"], e["room"]))
+            elif e["ev"] == "free":
+                for p in e["pages"]:
+                    frees[p].append(e["t"])
+        found = []
+        for w in self.writes(writers_dead_at):
+            for p in w.pages:
+                exposed_at = max((t for t, room in exposures[p] if room == w.room and t <= w.begin), default=None)
+                if exposed_at is None:
+                    continue  # not a page decode gave this room: not this oracle's question
+                freed_at = min((t for t in frees[p] if t >= exposed_at), default=math.inf)
+                if freed_at < w.end:
+                    found.append(UnsafeFree(w.room, p, freed_at, w.end))
+        return found
