@@ -21,6 +21,7 @@ H2 = "0005-h2-no-success-over-pending-abort.patch"
 H3 = "0006-h3-refuse-decode-over-unwritten-pages.patch"
 H4 = "0007-h4-end-request-on-decode-when-prefill-ends-it.patch"
 H8 = "0010-h8-page-ownership-tags.patch"
+H8N = "0011-h8-page-tags-nixl.patch"
 H6B = "0020-h6-backport-mooncake-transfer-batch-indices.patch"
 H6 = "0021-h6-bound-mooncake-transfer-calls.patch"
 # Where 0.5.19 lacks a helper, its H1 variant uses the older call (a 3-way merge
@@ -61,7 +62,7 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, tar
     carried_lines = [added_lines(p.diff) for p in carried.patches]
     if target == "0.5.20":
         carried_lines[3] = [H1_0520_ONLY if line == H1_0519_ONLY else line for line in carried_lines[3]]
-    assert carried_lines == [added_lines(p.diff) for p in load_series(patches, target).patches if p.name != H8]
+    assert carried_lines == [added_lines(p.diff) for p in load_series(patches, target).patches if p.name not in (H8, H8N)]
     assert load_lock(tree_copy)[target] == result.pin
     assert all(row.ok for row in verify_base(tree_copy, target))
     [wheel], _ = build([target], tmp_path / "out", patches=tree_copy)
@@ -87,14 +88,15 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy, drop_i
     assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H6]
 
 
-def test_h8_needs_a_human_where_upstream_refactored_the_mooncake_receiver(tree_copy):
-    """0.5.23 moved the Mooncake receiver's bootstrap messages into common code: H8's seams
-    there conflict (the rest of 0.5.22's series carries), and the job says so."""
+def test_h8_needs_a_human_where_upstream_refactored_the_receivers(tree_copy):
+    """0.5.23 moved the Mooncake and NIXL receivers' bootstrap messages into their managers:
+    H8's seams there conflict (the rest of 0.5.22's series carries), and the job says so."""
     shutil.rmtree(tree_copy / "0.5.23")
     result = rebase(tree_copy, "0.5.22", "0.5.23")
     conflicts = [v for v in result.verdicts if v.verdict == CONFLICT]
-    assert [v.patch.name for v in conflicts] == [H8]
+    assert [v.patch.name for v in conflicts] == [H8, H8N]
     assert "sglang/srt/disaggregation/mooncake/conn.py" in conflicts[0].rejects
+    assert "sglang/srt/disaggregation/nixl/conn.py" in conflicts[1].rejects
     assert not result.clean
 
 
@@ -108,7 +110,7 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert not (tree_copy / "0.5.23").exists()
     assert (tree_copy / "upstream.lock").read_text() == lock_before
     rejected = sorted(rejects.iterdir())
-    assert {r.name.split(".", 1)[0] for r in rejected} == {p.removesuffix(".patch") for p in (H0, H2, H8)}
+    assert {r.name.split(".", 1)[0] for r in rejected} == {p.removesuffix(".patch") for p in (H0, H2, H8, H8N)}
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 

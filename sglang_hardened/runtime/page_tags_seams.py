@@ -1,4 +1,4 @@
-"""H8 seams: adapt SGLang's PD objects (Mooncake) to `page_tags`.
+"""H8 seams: adapt SGLang's PD objects (Mooncake; NIXL's adapters are `page_tags_nixl`) to `page_tags`.
 
 Where the tags live and travel:
 - Both roles' Mooncake managers make a tag buffer beside the KV pool when
@@ -56,12 +56,13 @@ def fault(pages: int = FAULT_MIN_PAGES) -> str | None:
     return name if pages >= FAULT_MIN_PAGES else None
 
 
-def register(manager) -> None:
-    """Seam at the end of `MooncakeKVManager.register_buffer_to_engine`: one tag row per KV page
-    (a pool's pages are a layer's bytes over one page's bytes), on the pool's device."""
+def make_tags(manager) -> TagBuffer | None:
+    """Both backends' managers: one tag row per KV page (a pool's pages are a layer's bytes over
+    one page's bytes), on the pool's device, set as `manager.hardened_tags`. None without a
+    full-token KV pool (nothing to tag: such transfers are refused on decode)."""
     args = manager.kv_args
     if not args.kv_item_lens:
-        return  # no full-token KV pool: nothing to tag (such transfers are refused on decode)
+        return None
     pages = args.kv_data_lens[0] // args.kv_item_lens[0]
     device = torch.device("cuda", args.gpu_id) if torch.cuda.is_available() else torch.device("cpu")
     if manager.disaggregation_mode.value == "decode":
@@ -74,8 +75,16 @@ def register(manager) -> None:
     if fault():
         log.warning("sglang-hardened: TEST FAULT HOOK ON: %s=%s; this node corrupts transfers on purpose",
                     FAULT_ENV, fault())
-    ptr, nbytes, _ = buffer.buf_info()
-    manager.engine.batch_register([ptr], [nbytes])
+    return buffer
+
+
+def register(manager) -> None:
+    """Seam at the end of `MooncakeKVManager.register_buffer_to_engine`: make the tag buffer and
+    register it with the Mooncake engine."""
+    buffer = make_tags(manager)
+    if buffer is not None:
+        ptr, nbytes, _ = buffer.buf_info()
+        manager.engine.batch_register([ptr], [nbytes])
 
 
 def _frame(value: int) -> list[bytes]:

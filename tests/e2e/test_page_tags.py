@@ -33,16 +33,18 @@ WITHOUT = ("H3", "H4")
 REFUSED = "sglang-hardened H8"
 
 
-# 0.5.19's paged allocator needs Triton (no CPU path) for pages over one token.
-@pytest.mark.parametrize("base,page_size", [("0.5.19", 1), ("0.5.23", 16)])
-def test_h8_refuses_pages_a_truncated_transfer_left_unwritten(start_cluster, base, page_size):
+# 0.5.19's paged allocator needs Triton (no CPU path) for pages over one token. NIXL writes the
+# tags two ways: joined to the chunk's handles (0.5.23) or waited for before the KV (0.5.19-0.5.22).
+@pytest.mark.parametrize("base,page_size,backend", [("0.5.19", 1, "mooncake"), ("0.5.23", 16, "mooncake"),
+                                                    ("0.5.23", 16, "nixl"), ("0.5.19", 1, "nixl")])
+def test_h8_refuses_pages_a_truncated_transfer_left_unwritten(start_cluster, base, page_size, backend):
     """Prefill truncates the prompt and sends fewer pages than decode reads: the pages it did
     not send carry no tag of this request's, so decode refuses it; a fitting prompt is served,
     so the tags did travel with the KV."""
-    cluster = start_cluster(sandbox_env(base, hardened=True, without=WITHOUT),
+    cluster = start_cluster(sandbox_env(base, hardened=True, without=WITHOUT), backend=backend,
                             **(TRUNC_PARAMS | {"page_size": page_size}), **DEPTH)
     idle = cluster.used_tokens()
-    with phase(f"scenario truncation {base} page {page_size} hardened without H3"):
+    with phase(f"scenario truncation {base} {backend} page {page_size} hardened without H3"):
         v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "control": FITTING_C})
     assert all(r.status == 500 and REFUSED in r.body for r in replies(v["pages_apart"])), v["pages_apart"].replies
     assert not v["pages_apart"].leaked

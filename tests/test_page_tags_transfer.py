@@ -1,5 +1,6 @@
-"""H8 tags really travel: two processes, real Mooncake over TCP on 127.0.0.1, the rows
-moved from prefill's tag buffer into decode's as one more registered buffer."""
+"""H8 tags really travel: two processes, real Mooncake over TCP or real NIXL over UCX (DRAM) on
+127.0.0.1, the rows moved from prefill's tag buffer into decode's as one more registered buffer
+(NIXL: through the runtime's own `page_tags_nixl` adapters)."""
 
 from __future__ import annotations
 
@@ -7,38 +8,42 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from sglang_hardened.sandbox.env import build_env, wheels_for
 
 TESTS = Path(__file__).parent
-PEER = TESTS / "page_tags" / "mooncake_peer.py"
+PEER = TESTS / "page_tags" / "peer.py"
 ROOM_A, ROOM_B = 2**63 - 1, 41  # the largest room SGLang draws, and a small one
 
 PLAN = {"pages": 16, "requests": [
-    {"room": ROOM_A, "dst": [3, 4, 5], "src": [0, 1, 2], "sent": [0, 1, 2]},
+    {"room": ROOM_A, "dst": [3, 4, 5, 8], "src": [0, 1, 2, 10], "sent": [0, 1, 2, 3]},  # two runs
     {"room": ROOM_B, "dst": [9, 12], "src": [6, 7], "sent": [0]},  # its second page is lost
 ]}
 
 
-def test_tag_rows_cross_processes_with_mooncake_and_a_lost_page_is_caught():
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_tag_rows_cross_processes_and_a_lost_page_is_caught(backend):
     env = build_env("0.5.23", wheels_for("0.5.23", hardened=False), TESTS / "cpu_overlay")  # cached
     environ = env.environ() | {"MC_FORCE_TCP": "1"}
     environ["PYTHONPATH"] = f"{TESTS.parent}:{environ['PYTHONPATH']}"  # this checkout's runtime layer
-    peer = [str(env.python), str(PEER)]
+    peer = [str(env.python), str(PEER), backend]
     plan = json.dumps(PLAN)
     with subprocess.Popen(peer + ["decode", plan], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True, env=environ, cwd=TESTS) as decode:
+                          stderr=subprocess.PIPE, text=True, env=environ, cwd=TESTS) as decode:
         try:
             where = decode.stdout.readline()
+            assert where, decode.stderr.read()[-2000:] if decode.poll() is not None else "decode said nothing"
             sent = subprocess.run(peer + ["prefill", plan], input=where, capture_output=True, text=True,
                                   env=environ, cwd=TESTS, timeout=60)
-            assert json.loads(sent.stdout) == {"rc": 0}, sent.stderr[-2000:]
+            assert json.loads(sent.stdout or "{}") == {"rc": 0}, sent.stderr[-2000:]
             decode.stdin.write("done\n")
             decode.stdin.flush()
             result = json.loads(decode.stdout.readline())
         finally:
             decode.kill()
     epochs = json.loads(where)["epochs"]
-    assert result["rows"][str(ROOM_A)] == [[ROOM_A, epochs[str(ROOM_A)]]] * 3
+    assert result["rows"][str(ROOM_A)] == [[ROOM_A, epochs[str(ROOM_A)]]] * 4
     assert result["rows"][str(ROOM_B)] == [[ROOM_B, epochs[str(ROOM_B)]], [-1, -1]]
     ok, lost = result["verdicts"]
     assert ok is None

@@ -1,0 +1,113 @@
+"""H8 seams for the NIXL backend: the same tags, frames and check as Mooncake (`page_tags_seams`),
+moved by a NIXL agent.
+
+- Both roles' `NixlKVManager.register_buffer_to_engine` make the tag buffer (`register`) and
+  register it with the agent: VRAM on `gpu_id` when the pool is on CUDA, else DRAM (device 0),
+  the way upstream registers KV and aux memory.
+- Decode's registration and metadata messages carry the same trailing frames, and prefill's
+  bootstrap thread strips them, with `tags_frame`, `epoch_frame` and `carried` (re-exported
+  here so that NIXL's conn.py imports one module).
+- Prefill's transfer worker calls `send_tags` right before `send_kvcache` to one destination: it
+  stamps the chunk's prefill pages (`before_send`) and posts one more NIXL write, the tag rows
+  from prefill page to decode page with the chunk's page mapping. NIXL writes are asynchronous,
+  so the write must be complete before decode is told the chunk arrived:
+  - 0.5.23 (prefill reports success once every handle of the chunk is DONE): the tag handle is
+    appended to the chunk's handles, so it is waited on with the KV's;
+  - 0.5.19-0.5.22 (decode counts the KV write's own notification): `send_tags` waits for the
+    tag write itself before returning, so the KV (and its notification) is posted after it.
+  A tag thus reaches decode only for pages whose KV this chunk sends; if the KV write then fails
+  the room fails, and decode releases (resets) the rows without checking them.
+
+Decode's tag buffer is taken to be the same kind of memory as prefill's (both CUDA, or both
+CPU): decode sends only its address. The decode-side seams (`allocate`, `refuse_untagged`,
+`release`) are backend-neutral and live in `page_tags_seams`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .page_tags import TagBuffer
+from .page_tags_seams import before_send, carried, epoch_frame, make_tags, tags_frame
+
+__all__ = ["carried", "epoch_frame", "register", "send_tags", "tags_frame"]
+
+
+def _mem(buffer: TagBuffer, gpu_id: int) -> tuple[str, int]:
+    """NIXL's (memory kind, device id) for a tag buffer: VRAM on its GPU, or DRAM (device 0)."""
+    return ("VRAM", gpu_id) if buffer.device.type == "cuda" else ("DRAM", 0)
+
+
+def register(manager) -> None:
+    """Seam at the end of `NixlKVManager.register_buffer_to_engine`: make the tag buffer and
+    register it with the manager's NIXL agent (the descriptors are kept so it stays registered)."""
+    buffer = make_tags(manager)
+    if buffer is None:
+        return
+    ptr, nbytes, _ = buffer.buf_info()
+    kind, device = _mem(buffer, manager.kv_args.gpu_id)
+    manager.hardened_tag_descs = manager.agent.register_memory([(ptr, nbytes, device, "")], kind)
+    if not manager.hardened_tag_descs:
+        raise RuntimeError(f"sglang-hardened H8: NIXL registration of the {kind} tag buffer failed")
+
+
+def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src start, dst start, length) of the runs where both page lists advance by one together."""
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return src[starts], dst[starts], lengths
+
+
+def _settle(agent, handle) -> None:
+    """Wait until a posted write is DONE; raise on ERR (the worker then fails the room)."""
+    while (state := agent.check_xfer_state(handle)) != "DONE":
+        if state == "ERR":
+            raise RuntimeError("sglang-hardened H8: NIXL tag-row write failed")
+        time.sleep(0)
+
+
+def send_tags(manager, kv_chunk, req, dst_indices, handles: list[Any] | None = None):
+    """Seam in the NIXL transfer worker right before `send_kvcache` to one destination: stamp the
+    chunk's prefill pages with the destination's (room, epoch) and post the tag-row write to the
+    same decode pages. With `handles` (0.5.23) the write joins the chunk's handles; without
+    (0.5.19-0.5.22) it is waited for here. Returns the prefill and decode page indices to send
+    (trimmed by the `drop-last-page` test fault)."""
+    kv_chunk_sent, dst_indices = before_send(manager, kv_chunk, req, dst_indices)
+    src_indices = kv_chunk_sent.prefill_kv_indices
+    buffer, epoch = getattr(manager, "hardened_tags", None), getattr(req, "hardened_h8", None)
+    dst_info = manager.decode_kv_args_table.get(req.agent_name)
+    dst_ptr = getattr(dst_info, "hardened_h8", None)
+    if buffer is None or epoch is None or dst_ptr is None or len(src_indices) == 0:
+        return src_indices, dst_indices  # no tags either side: decode refuses what it cannot check
+    # Prefill's rows are shared by the chunk's destinations: a write still reading them with
+    # another stamp must land before they are stamped again (one decode rank per epoch).
+    pending = getattr(kv_chunk, "hardened_tag_write", None)
+    if pending is not None and pending[1] != (req.room, epoch):
+        _settle(manager.agent, pending[0])
+    src_ptr, _, item_len = buffer.buf_info()
+    src_kind, src_dev = _mem(buffer, manager.kv_args.gpu_id)
+    dst_dev = dst_info.gpu_id if src_kind == "VRAM" else 0
+    n = min(len(src_indices), len(dst_indices))
+    src_start, dst_start, lengths = _runs(np.asarray(src_indices[:n], dtype=np.uint64),
+                                          np.asarray(dst_indices[:n], dtype=np.uint64))
+    size = lengths.astype(np.uint64) * np.uint64(item_len)
+
+    def descs(base: int, starts: np.ndarray, device: int):
+        table = np.column_stack((np.uint64(base) + starts * np.uint64(item_len), size,
+                                 np.full_like(starts, device)))
+        return manager.agent.get_xfer_descs(table.astype(np.uint64), src_kind)
+
+    handle = manager.agent.initialize_xfer("WRITE", descs(src_ptr, src_start, src_dev),
+                                           descs(dst_ptr, dst_start, dst_dev), req.agent_name)
+    if not handle or manager.agent.transfer(handle) == "ERR":
+        raise RuntimeError("sglang-hardened H8: NIXL tag-row write could not be posted")
+    if handles is None:
+        _settle(manager.agent, handle)
+    else:
+        handles.append(handle)
+        kv_chunk.hardened_tag_write = (handle, (req.room, epoch))
+    return src_indices, dst_indices
