@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,17 @@ class UnsafeFree:
     def __str__(self) -> str:
         until = "never returned" if math.isinf(self.write_end) else f"returned {self.write_end - self.freed_at:.3f} s later"
         return f"room {self.room}: page {self.page} freed while its write was in flight (the write {until})"
+
+
+def wait_for(folder: Path, ev: str, min_pages: int = 0, timeout_s: float = 60.0, after: float = 0.0) -> dict:
+    """The first ``ev`` event over at least ``min_pages`` pages since ``after`` (time.monotonic(),
+    the ledger's clock), once the ledger has one."""
+    deadline = time.monotonic() + timeout_s
+    while not (seen := [e for e in Ledger(folder).of(ev) if len(e.get("pages", ())) >= min_pages and e["t"] > after]):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {ev!r} event over {min_pages}+ pages in {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return seen[0]
 
 
 class Ledger:

@@ -7,6 +7,7 @@ before 0.5.21, lets decode run over pages the transfer never wrote.
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -152,3 +153,19 @@ def observe_oversized_via_lb(cluster: Cluster) -> TimeoutObservation:
     at_prefill = generate(cluster.prefill_url, OVERSIZED_B, extra=bootstrap_fields(cluster), timeout=60)
     via_lb = cluster.generate(OVERSIZED_B, timeout=cluster.params.waiting_timeout_s * 4 + 60)
     return TimeoutObservation(at_prefill, via_lb)
+
+
+def post(url: str, payload: dict, path: str = "/generate") -> http.client.HTTPConnection:
+    """Send a request and leave its answer unread: the caller reads it or hangs up."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, body=json.dumps(payload), headers={"content-type": "application/json"})
+    return conn
+
+
+def hang_up(conns: list[http.client.HTTPConnection]) -> None:
+    """The client goes away: its sockets close without reading the answers."""
+    for conn in conns:
+        if conn.sock is not None:
+            conn.sock.close()
+        conn.close()

@@ -14,9 +14,6 @@ lands after the wait.
 
 from __future__ import annotations
 
-import http.client
-import json
-import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +24,8 @@ from sglang_hardened.policy import load_limits
 from tests.conftest import phase
 
 from .conftest import sandbox_env
-from .ledger import Ledger, writer
-from .scenarios import SAFE_PARAMS, bootstrap_fields, core, prompt_of, upstream_only, wait_pages_idle
+from .ledger import Ledger, wait_for, writer
+from .scenarios import SAFE_PARAMS, bootstrap_fields, core, hang_up, post, prompt_of, upstream_only, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -37,30 +34,15 @@ RELEASE_TIMEOUT_S = load_limits("H6")["release_timeout_s"]  # upstream's default
 PROMPT = prompt_of(120)  # 120 one-token pages: over the ledger's slow-call threshold
 
 
-def _post(url: str, body: str) -> http.client.HTTPConnection:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/generate", body=body, headers={"content-type": "application/json"})
-    return conn
-
-
 def _disconnect_during_transfer(cluster, folder: Path) -> int:
     """Send PROMPT to both roles, hang up on both once prefill's write call into decode has
     begun, wait for that call to return; the room."""
-    body = json.dumps({"text": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
-                       **bootstrap_fields(cluster)})
-    conns = [_post(cluster.prefill_url, body), _post(cluster.decode_url, body)]
-    deadline = time.monotonic() + 60
-    while not (begun := [e for e in Ledger(folder).of("begin") if len(e["pages"]) >= writer.SLOW_MIN_PAGES]):
-        assert time.monotonic() < deadline, "prefill never started the transfer"
-        time.sleep(0.05)
-    for conn in conns:  # the client goes away mid-transfer
-        conn.sock.close()
-        conn.close()
-    room = begun[0]["room"]
-    while not any(e["room"] == room for e in Ledger(folder).of("end")):
-        assert time.monotonic() < deadline + SLOW_S, "the transfer call never returned"
-        time.sleep(0.1)
+    body = {"text": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
+            **bootstrap_fields(cluster)}
+    conns = [post(cluster.prefill_url, body), post(cluster.decode_url, body)]
+    room = wait_for(folder, "begin", writer.SLOW_MIN_PAGES)["room"]
+    hang_up(conns)  # the client goes away mid-transfer
+    wait_for(folder, "end", timeout_s=SLOW_S + 30)
     return room
 
 

@@ -1,0 +1,73 @@
+"""`sglang-hardened lb` in front of upstream 0.5.19 (whose decode frees an aborted request's
+pages at once, mid-transfer: test_abort_safety): a client that hangs up at any phase leaves
+no page leaked and no write landing in a freed page, judged by the page ledger.
+
+The ledger slows each large write call (tests/cpu_overlay/site/sgl_ledger.py), so the
+phases around the transfer can be hit on a CPU host: the LB cannot see the KV send start,
+so it waits for prefill's answer or decode's first output before it aborts decode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sglang_hardened.sandbox.cluster import Cluster
+
+from tests.conftest import phase
+
+from .conftest import launch, sandbox_env
+from .ledger import Ledger, wait_for, writer
+from .scenarios import SAFE_PARAMS, hang_up, post, prompt_of, wait_pages_idle
+
+pytestmark = pytest.mark.e2e
+
+BASE = "0.5.19"
+SLOW_S = 4.0
+PROMPT = prompt_of(120)  # 120 one-token pages: over the ledger's slow-call threshold
+LONG_OUTPUT = 400  # decode runs for seconds after the transfer
+
+
+@pytest.fixture(scope="module")
+def ledger_cluster(tmp_path_factory) -> Iterator[tuple[Cluster, Path]]:
+    folder = tmp_path_factory.mktemp("ledger")
+    cluster = launch(sandbox_env(BASE), **SAFE_PARAMS, lb="hardened",
+                     extra_env=(f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}"))
+    yield cluster, folder
+    cluster.stop()
+
+
+def _hang_up_at(cluster: Cluster, folder: Path, when: str) -> None:
+    """Send PROMPT through the LB and hang up at phase ``when``."""
+    sent = time.monotonic()
+    conn = post(cluster.lb_url, {"text": PROMPT, "stream": when == "mid-stream",
+                                 "sampling_params": {"temperature": 0.0, "max_new_tokens": LONG_OUTPUT}})
+    if when == "after-bootstrap":  # decode has sent prefill its page indices
+        wait_for(folder, "expose", writer.SLOW_MIN_PAGES, after=sent)
+    elif when == "during-transfer":
+        wait_for(folder, "begin", writer.SLOW_MIN_PAGES, after=sent)
+    elif when == "during-decode":
+        wait_for(folder, "end", after=sent)
+    elif when == "mid-stream":
+        response = conn.getresponse()
+        assert response.status == 200, response.read()[:300]
+        assert response.readline().startswith(b"data:")  # the first streamed chunk
+    hang_up([conn])
+
+
+@pytest.mark.parametrize("when", ["before-bootstrap", "after-bootstrap", "during-transfer", "during-decode",
+                                  "mid-stream"])
+def test_client_hang_up_at_any_phase_frees_no_page_being_written(ledger_cluster, request, when):
+    cluster, folder = ledger_cluster
+    request.node.sandbox_clusters = [cluster]
+    idle = cluster.used_tokens()
+    with phase(f"scenario lb hang-up {when} {BASE} upstream"):
+        _hang_up_at(cluster, folder, when)
+        used = wait_pages_idle(cluster, idle, timeout_s=SLOW_S + 60)
+    unsafe = Ledger(folder).unsafe_frees()
+    assert not unsafe, "\n".join(map(str, unsafe[:5]))
+    assert used == idle, f"pages leaked after a hang-up {when}: {used} != {idle}"
+    assert "client gone" in cluster.log_tail("lb", 400), "the LB never saw the client go"
