@@ -27,7 +27,7 @@ request frees exactly the pages its page table holds.
   can have its KV overwritten by this request's, and this request reads a page
   its transfer never writes. The oracle's requests run one at a time, so the
   late write lands before the next request is admitted: what it shows is the
-  request's own read of another tenant's KV (``SANDBOX_LEDGER_DIR`` would show
+  request's own read of what earlier requests left (``SANDBOX_LEDGER_DIR`` would show
   the page freed between its exposure and the write).
 
 H8 refuses each: the page read does not carry the request's (room, epoch).
