@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -19,6 +21,15 @@ from sglang_hardened.paths import patches_dir
 from sglang_hardened.series import copy_without
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def overlay_module(name: str) -> ModuleType:
+    """A module of the CPU overlay's ``site/`` (test instrumentation every sandbox build
+    imports), loaded from its file: the tool's own environment does not have ``site/`` on its path."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "cpu_overlay" / "site" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """H8 seams against stand-ins for SGLang's objects: the frames round-trip, an unhardened
-peer is refused, the tag layer is added only to the KV pool's transfer, the fault hook
-and the check read the page table."""
+peer is refused, the tag layer is added only to the KV pool's transfer, the stamp and the
+check read the page table."""
 
 from __future__ import annotations
 
@@ -67,15 +67,12 @@ def test_tag_layer_only_for_the_kv_pool_and_a_hardened_decode():
     assert seams.tag_layer(manager, "old", kv_ptrs) == []
 
 
-def test_before_send_stamps_and_the_fault_drops_the_last_page(monkeypatch):
+def test_before_send_stamps_the_chunk_and_sends_it_whole():
     buffer = TagBuffer(8)
-    monkeypatch.setenv(seams.FAULT_ENV, "drop-last-page")
-    monkeypatch.setattr(seams, "FAULT_MIN_PAGES", 3)
-    chunk = Chunk(torch.tensor([1, 2, 3]))
-    sent, dst = seams.before_send(SimpleNamespace(hardened_tags=buffer), chunk,
-                                  SimpleNamespace(room=ROOM, hardened_h8=5), torch.tensor([4, 5, 6]))
-    assert sent.prefill_kv_indices.tolist() == [1, 2] and dst.tolist() == [4, 5]
-    assert buffer.rows[[1, 2, 3]].tolist() == [[ROOM, 5], [ROOM, 5], [-1, -1]]
+    chunk, dst = Chunk(torch.tensor([1, 2, 3])), torch.tensor([4, 5, 6])
+    assert seams.before_send(SimpleNamespace(hardened_tags=buffer), chunk,
+                             SimpleNamespace(room=ROOM, hardened_h8=5), dst) == (chunk, dst)
+    assert buffer.rows[[1, 2, 3, 4]].tolist() == [[ROOM, 5], [ROOM, 5], [ROOM, 5], [-1, -1]]
 
 
 def test_check_reads_the_page_table_and_releases(aborted):
@@ -102,18 +99,6 @@ def test_no_allocation_means_refusal(aborted):
     assert "no pages were given to check" in aborted[0]
 
 
-def test_stale_index_fault_is_refused_and_the_page_table_restored(monkeypatch, aborted):
-    monkeypatch.setenv(seams.FAULT_ENV, "stale-page-index")
-    monkeypatch.setattr(seams, "FAULT_MIN_PAGES", 3)
-    tags = DecodePageTags(16)
-    dreq = decode_req(tags, prompt=10)
-    req_to_token = torch.arange(8, 24).unsqueeze(0).clone()
-    seams.allocate(dreq, [2, 3, 4])
-    tags.buffer.stamp([2, 3, 4], ROOM, dreq.hardened_epoch)
-    assert seams.refuse_untagged(transfer_queue(req_to_token), dreq)
-    assert req_to_token[0].tolist() == list(range(8, 24))
-
-
 def test_release_spares_a_room_allocated_again():
     tags = DecodePageTags(16)
     first, second = decode_req(tags, 4), decode_req(tags, 4)
@@ -121,17 +106,6 @@ def test_release_spares_a_room_allocated_again():
     seams.allocate(second, [2])
     seams.release(first)
     assert tags.expected[ROOM] == second.hardened_epoch
-
-
-def test_faults_spare_short_transfers(monkeypatch):
-    monkeypatch.setenv(seams.FAULT_ENV, "drop-last-page")
-    assert seams.fault(seams.FAULT_MIN_PAGES) == "drop-last-page" and seams.fault(1) is None
-
-
-def test_unknown_fault_is_an_error(monkeypatch):
-    monkeypatch.setenv(seams.FAULT_ENV, "typo")
-    with pytest.raises(ValueError):
-        seams.fault()
 
 
 def test_fail_closed_refuses_clean_requests_after_a_mismatch(aborted):

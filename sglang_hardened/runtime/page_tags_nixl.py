@@ -74,8 +74,7 @@ def send_tags(manager, kv_chunk, req, dst_indices, handles: list[Any] | None = N
     """Seam in the NIXL transfer worker right before `send_kvcache` to one destination: stamp the
     chunk's prefill pages with the destination's (room, epoch) and post the tag-row write to the
     same decode pages. With `handles` (0.5.23) the write joins the chunk's handles; without
-    (0.5.19-0.5.22) it is waited for here. Returns the prefill and decode page indices to send
-    (trimmed by the `drop-last-page` test fault)."""
+    (0.5.19-0.5.22) it is waited for here. Returns the prefill and decode page indices to send."""
     kv_chunk_sent, dst_indices = before_send(manager, kv_chunk, req, dst_indices)
     src_indices = kv_chunk_sent.prefill_kv_indices
     buffer, epoch = getattr(manager, "hardened_tags", None), getattr(req, "hardened_h8", None)

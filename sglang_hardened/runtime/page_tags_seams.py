@@ -18,20 +18,13 @@ Where the tags live and travel:
   decode step (`refuse_untagged`) and forgets the epoch there or when the
   request is released before it (`release`).
 
-Test-only fault hook: `SGLANG_HARDENED_FAULT` (off by default; logged loudly
-when set) makes this node misbehave the way broken transfers and allocators
-do, so the end-to-end tests can show H8 catching it: `drop-last-page`
-(prefill sends every chunk but its last page) and `stale-page-index`
-(decode points the request's first page at a page it does not own), each on
-transfers of at least FAULT_MIN_PAGES pages only, so that a cluster's one-word
-readiness probe is still served.
+The end-to-end tests inject faults that H8 must catch from the test overlay
+(`tests/cpu_overlay/site/sgl_faults.py`), on upstream and hardened builds alike.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import struct
 
 import torch
@@ -40,20 +33,8 @@ from . import FAKE_BOOTSTRAP_HOST, abort_before_decode
 from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
 
 FRAME_MAGIC = b"sglang-hardened-H8:"
-FAULT_ENV = "SGLANG_HARDENED_FAULT"
-FAULTS = ("drop-last-page", "stale-page-index")
-FAULT_MIN_PAGES = 16
 
 log = logging.getLogger("sglang_hardened")
-
-
-def fault(pages: int = FAULT_MIN_PAGES) -> str | None:
-    """The test hook's fault for a transfer of `pages` pages, or None (always, outside the
-    end-to-end tests)."""
-    name = os.environ.get(FAULT_ENV) or None
-    if name is not None and name not in FAULTS:
-        raise ValueError(f"{FAULT_ENV}={name!r}: not one of {FAULTS}")
-    return name if pages >= FAULT_MIN_PAGES else None
 
 
 def make_tags(manager) -> TagBuffer | None:
@@ -72,9 +53,6 @@ def make_tags(manager) -> TagBuffer | None:
                  pages, device, manager.hardened_tags.fail_closed, FAIL_CLOSED_ENV)
     else:
         manager.hardened_tags = buffer = TagBuffer(pages, device)
-    if fault():
-        log.warning("sglang-hardened: TEST FAULT HOOK ON: %s=%s; this node corrupts transfers on purpose",
-                    FAULT_ENV, fault())
     return buffer
 
 
@@ -134,10 +112,7 @@ def allocate(decode_req, page_indices) -> None:
 def before_send(manager, kv_chunk, req, dst_indices):
     """Seam in the Mooncake transfer worker right before `send_kvcache` to one destination:
     stamp the pages about to be sent with that destination's (room, epoch). Returns the chunk
-    and destination indices to send (trimmed by the `drop-last-page` test fault)."""
-    if fault(len(dst_indices)) == "drop-last-page":
-        kv_chunk = dataclasses.replace(kv_chunk, prefill_kv_indices=kv_chunk.prefill_kv_indices[:-1])
-        dst_indices = dst_indices[:-1]
+    and destination indices to send, as given (the patches assign them back)."""
     buffer, epoch = getattr(manager, "hardened_tags", None), getattr(req, "hardened_h8", None)
     if buffer is not None and epoch is not None:  # an info not built by `carried` is not stamped
         buffer.stamp(kv_chunk.prefill_kv_indices, req.room, epoch)
@@ -173,9 +148,6 @@ def refuse_untagged(transfer_queue, decode_req) -> bool:
         return False
     page_size = transfer_queue.scheduler.page_size
     slots = _page_table(transfer_queue, req, len(getattr(decode_req, "hardened_pages", ())), page_size)
-    restore = slots.clone() if fault(-(-len(slots) // page_size)) == "stale-page-index" else None
-    if restore is not None:
-        _force_stale_index(slots, tags.buffer.rows.shape[0], page_size)
     try:
         tags.admit()
         reason = tags.check(req.bootstrap_room, slots[::page_size] // page_size)
@@ -184,18 +156,8 @@ def refuse_untagged(transfer_queue, decode_req) -> bool:
     release(decode_req)
     if reason is None:
         return False
-    if restore is not None:
-        slots.copy_(restore)  # upstream frees the page table's slots: give back the ones it owns
     abort_before_decode(decode_req, f"{reason} (refused so far: {tags.mismatched_requests})")
     return True
-
-
-def _force_stale_index(slots: torch.Tensor, pool_pages: int, page_size: int) -> None:
-    """Test fault: point the first page at the lowest page (0 is the pool's padding) it does not own."""
-    owned = set((slots[::page_size] // page_size).tolist())
-    stale = next(p for p in range(1, pool_pages) if p not in owned)
-    first = slots[:page_size]
-    first.copy_(stale * page_size + torch.arange(len(first), dtype=first.dtype, device=first.device))
 
 
 def release(decode_req) -> None:

@@ -8,7 +8,6 @@ that never returned (its prefill was killed or hangs) may still land until
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import time
@@ -16,10 +15,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location(
-    "sgl_ledger", Path(__file__).parents[1] / "cpu_overlay" / "site" / "sgl_ledger.py")
-writer = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(writer)  # the writer's own names: DIR_ENV, SLOW_ENV, SLOW_MIN_PAGES
+from tests.conftest import overlay_module
+
+writer = overlay_module("sgl_ledger")  # the writer's own names: DIR_ENV, SLOW_ENV, SLOW_MIN_PAGES
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """H8 on the CPU PD harness: pages decode would read that its transfer did not write are
-refused by their tags alone, with H3 (page coverage) left out of the build.
+refused by their tags alone, with H3 (page coverage) left out of the build; the same
+injected faults (tests/cpu_overlay/site/sgl_faults.py) on upstream are served behind a
+200 with output influenced by other requests, which the differential oracle shows.
 
 H4 is left out too: its patch's context holds H3's import line, so it does not
 apply without H3. Upstream's side of the truncation fault (decode reads pages
@@ -9,11 +11,11 @@ holding another tenant's KV, behind a 200) is
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from sglang_hardened.runtime.page_tags_seams import FAULT_ENV
-
-from tests.conftest import phase
+from tests.conftest import overlay_module, phase
 
 from .conftest import sandbox_env
 from .scenarios import (
@@ -23,6 +25,7 @@ from .scenarios import (
     OVERSIZED_B,
     TRUNC_PARAMS,
     observe_probes,
+    prompt_of,
     replies,
     wait_pages_idle,
 )
@@ -31,6 +34,12 @@ pytestmark = pytest.mark.e2e
 
 WITHOUT = ("H3", "H4")
 REFUSED = "sglang-hardened H8"
+faults = overlay_module("sgl_faults")  # injected page faults, in upstream and hardened builds alike
+# One cluster per base and build runs its faults in turn (one base each, to keep the starts few).
+FAULTS = {"0.5.23": ("drop-last-page", "page-reused-early"), "0.5.19": ("stale-page-index",)}
+# 17 one-token pages: over the faults' 16-page floor, and short enough that the one page
+# a fault hits moves the tiny model's output (an 80-token probe hides a page or two).
+FAULT_PROBE = prompt_of(17)
 
 
 # 0.5.19's paged allocator needs Triton (no CPU path) for pages over one token. NIXL writes the
@@ -53,15 +62,50 @@ def test_h8_refuses_pages_a_truncated_transfer_left_unwritten(start_cluster, bas
     assert "do not carry its tag" in cluster.log_tail("decode", 2000)
 
 
-@pytest.mark.parametrize("base,fault", [("0.5.23", "drop-last-page"), ("0.5.19", "stale-page-index")])
-def test_h8_catches_injected_faults(start_cluster, base, fault):
-    """The test hook breaks every request: prefill drops each chunk's last page, or decode points
-    a request's first page at one it does not own. Each request is refused before decoding."""
-    cluster = start_cluster(sandbox_env(base, hardened=True, without=WITHOUT), **LEAK_PARAMS,
-                            extra_env=(*DEPTH["extra_env"], f"{FAULT_ENV}={fault}"))
+def _fault_cluster(start_cluster, switch: Path, base: str, hardened: bool):
+    """A cluster that cycles decode's free list, its page faults switched by ``switch`` (empty: none)."""
+    switch.write_text("")
+    env = sandbox_env(base, hardened=True, without=WITHOUT) if hardened else sandbox_env(base)
+    depth = DEPTH["extra_env"] if hardened else ()
+    return start_cluster(env, **LEAK_PARAMS, extra_env=(*depth, f"{faults.FILE_ENV}={switch}"))
+
+
+def _hits(cluster, fault: str) -> int:
+    """How many transfers the fault hit (its module logs each): zero means its edit did not apply."""
+    role = "prefill" if fault == "drop-last-page" else "decode"
+    return cluster.log_tail(role, 10**6).count(f"SANDBOX PAGE FAULT {fault}:")
+
+
+@pytest.mark.parametrize("base", FAULTS)
+def test_h8_refuses_injected_faults(start_cluster, tmp_path, base):
+    """Each injected fault makes every request read a page its transfer did not write; H8 alone
+    refuses each before decoding and no page is lost. The same prompt is served with no fault."""
+    switch = tmp_path / "fault"
+    cluster = _fault_cluster(start_cluster, switch, base, hardened=True)
     idle = cluster.used_tokens()
-    with phase(f"scenario fault {fault} {base} hardened without H3"):
-        got = [cluster.generate(FITTING_C) for _ in range(3)]
-    assert all(r.status == 500 and REFUSED in r.body for r in got), got
-    assert wait_pages_idle(cluster, idle) == idle
-    assert "TEST FAULT HOOK ON" in cluster.log_tail("prefill", 4000) + cluster.log_tail("decode", 4000)
+    assert cluster.generate(FAULT_PROBE).status == 200
+    for fault in FAULTS[base]:
+        switch.write_text(fault)
+        with phase(f"scenario fault {fault} {base} hardened without H3"):
+            got = [cluster.generate(FAULT_PROBE) for _ in range(3)]
+        assert all(r.status == 500 and REFUSED in r.body for r in got), (fault, got)
+        assert _hits(cluster, fault) >= 3
+        assert wait_pages_idle(cluster, idle) == idle
+
+
+@pytest.mark.parametrize("base", FAULTS)
+def test_upstream_output_depends_on_other_requests_under_injected_faults(start_cluster, tmp_path, base):
+    """The same faults on upstream: every request is answered 200, and the probe's output
+    changes with the history of other tenants' requests before it (the differential oracle:
+    a correct server's greedy output does not). No page is lost."""
+    switch = tmp_path / "fault"
+    cluster = _fault_cluster(start_cluster, switch, base, hardened=False)
+    idle = cluster.used_tokens()
+    for fault in FAULTS[base]:
+        switch.write_text(fault)
+        with phase(f"scenario fault {fault} {base} upstream"):
+            v = observe_probes(cluster, {"probe": FAULT_PROBE})["probe"]
+        assert all(r.status == 200 for r in replies(v)), (fault, v.replies)
+        assert v.leaked, (fault, v.replies)
+        assert _hits(cluster, fault) >= 4
+        assert wait_pages_idle(cluster, idle) == idle

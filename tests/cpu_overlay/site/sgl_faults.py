@@ -1,0 +1,111 @@
+"""Injected page faults (test instrumentation): decode reads a page its transfer did not write.
+
+Applied by the overlay's edits to upstream and hardened builds alike, so the same
+fault can be shown refused by H8 (hardened) and read behind a 200 by the
+differential oracle (upstream). Off unless ``SANDBOX_PAGE_FAULT_FILE`` names a
+file; the fault is the name that file holds when a hook runs (empty: none), so
+one cluster serves several faults in turn. Each fault hits transfers of at least
+``MIN_PAGES`` pages only (a cluster's one-word readiness probe is served), and
+prints one ``SANDBOX PAGE FAULT`` line to stderr per hit: the tests assert it,
+so an edit that no longer applies to a base is noticed.
+
+Every fault keeps the allocator's books: a page is freed exactly once and a
+request frees exactly the pages its page table holds.
+
+- ``drop-last-page`` (prefill, Mooncake transfer worker): each send of a chunk
+  to decode leaves out the chunk's last page: its KV and, on hardened builds,
+  its tag row, which travels in the same ``send_kvcache`` call. Decode reads
+  whatever that page held before.
+- ``stale-page-index`` (decode, right before the landed transfer is committed
+  to the request): the request's first transferred page is swapped in its page
+  table for a page taken from the free list, whose bytes hold whatever tenant
+  used it last, and the original is freed. The request owns the stale page;
+  its transfer wrote the original.
+- ``page-reused-early`` (decode, as the page indices go to prefill): the same
+  swap before the transfer lands. The original page is back on the free list
+  while prefill's write into it is still to come, so whoever is given it next
+  can have its KV overwritten by this request's, and this request reads a page
+  its transfer never writes. The oracle's requests run one at a time, so the
+  late write lands before the next request is admitted: what it shows is the
+  request's own read of what earlier requests left (``SANDBOX_LEDGER_DIR`` would show
+  the page freed between its exposure and the write).
+
+H8 refuses each: the page read does not carry the request's (room, epoch).
+A dropped page's row was reset when decode allocated it and no row came; a
+swapped-in page's row was reset when its last owner released it (or holds an
+older epoch's late write), and this request's transfer never writes it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+FILE_ENV = "SANDBOX_PAGE_FAULT_FILE"
+FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early")
+MIN_PAGES = 16
+
+
+def armed(fault: str, pages: int) -> bool:
+    """Whether ``fault`` hits a transfer of ``pages`` pages now."""
+    path = os.environ.get(FILE_ENV)
+    if not path or pages < MIN_PAGES:
+        return False
+    try:
+        with open(path) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return False
+    if name and name not in FAULTS:
+        raise ValueError(f"{path}: {name!r} is not one of {FAULTS}")
+    return name == fault
+
+
+def _hit(fault: str, room, what: str) -> None:
+    print(f"SANDBOX PAGE FAULT {fault}: room {int(room)}: {what}", file=sys.stderr, flush=True)
+
+
+def dropping_last_page(req, send):
+    """Prefill's Mooncake transfer worker: ``send_kvcache`` without each chunk's last page."""
+    def call(session_id, prefill_pages, dst_ptrs, dst_pages, *args, **kwargs):
+        if armed("drop-last-page", len(dst_pages)):
+            _hit("drop-last-page", req.room, f"decode page {int(dst_pages[-1])} left unwritten")
+            prefill_pages, dst_pages = prefill_pages[:-1], dst_pages[:-1]
+        return send(session_id, prefill_pages, dst_ptrs, dst_pages, *args, **kwargs)
+    return call
+
+
+def _swap_page(allocator, req_to_token_pool, req, page: int) -> int | None:
+    """Give ``req`` a page from the free list in place of its ``page`` and free ``page``;
+    the new page, or None when the free list has none."""
+    size = allocator.page_size
+    row = req_to_token_pool.req_to_token[req.kv.req_pool_idx, :len(req.origin_input_ids)]
+    at = (row // size == page).nonzero().flatten()
+    fresh = allocator.alloc(size)
+    if fresh is None or len(at) == 0:
+        return None
+    row[at] = fresh[row[at] % size].to(row.dtype)
+    allocator.free(page * size + torch.arange(size, dtype=torch.int64, device=row.device))
+    return int(fresh[0]) // size
+
+
+def sending(allocator, req_to_token_pool, decode_req, page_indices) -> None:
+    """Decode, right before it sends prefill the request's page indices."""
+    if armed("page-reused-early", len(page_indices)):
+        first = int(page_indices[0])
+        fresh = _swap_page(allocator, req_to_token_pool, decode_req.req, first)
+        _hit("page-reused-early", decode_req.req.bootstrap_room,
+             f"page {first} freed before its write, request reads page {fresh}")
+    elif armed("stale-page-index", len(page_indices)):
+        decode_req.sandbox_stale_page = int(page_indices[0])
+
+
+def committing(scheduler, decode_req) -> None:
+    """Decode, right before the landed transfer is committed to the request (H8's check)."""
+    page = getattr(decode_req, "sandbox_stale_page", None)
+    if page is not None:
+        decode_req.sandbox_stale_page = None
+        stale = _swap_page(scheduler.token_to_kv_pool_allocator, scheduler.req_to_token_pool, decode_req.req, page)
+        _hit("stale-page-index", decode_req.req.bootstrap_room, f"page {page} replaced by stale page {stale}")

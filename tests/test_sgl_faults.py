@@ -1,0 +1,98 @@
+"""The overlay's injected page faults (tests/cpu_overlay/site/sgl_faults.py) against stand-ins:
+each hits only long transfers and only when switched on, and keeps the allocator's books
+(every page freed once, the request's page table holding only pages it owns)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import overlay_module
+
+faults = overlay_module("sgl_faults")
+PAGE = 2
+
+
+class Allocator:
+    """A paged allocator's free list: pages out from the front, back at the end."""
+
+    page_size = PAGE
+
+    def __init__(self, pages: int) -> None:
+        self.free_pages = list(range(1, pages))
+        self.freed: list[int] = []
+
+    def alloc(self, need: int):
+        if not self.free_pages:
+            return None
+        page = self.free_pages.pop(0)
+        return page * PAGE + torch.arange(need, dtype=torch.int64)
+
+    def free(self, slots: torch.Tensor) -> None:
+        pages = sorted({int(s) // PAGE for s in slots})
+        assert not set(pages) & set(self.free_pages), "freed twice"
+        self.freed += pages
+        self.free_pages += pages
+
+
+def request(pages: list[int], tokens: int):
+    """A decode request whose page table holds ``pages`` for a ``tokens``-token prompt."""
+    row = torch.tensor([p * PAGE + i for p in pages for i in range(PAGE)], dtype=torch.int32)
+    pool = SimpleNamespace(req_to_token=row.unsqueeze(0).clone())
+    req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=0), origin_input_ids=list(range(tokens)), bootstrap_room=7)
+    return pool, SimpleNamespace(req=req)
+
+
+@pytest.fixture
+def switch(tmp_path, monkeypatch):
+    path = tmp_path / "fault"
+    path.write_text("")
+    monkeypatch.setenv(faults.FILE_ENV, str(path))
+    monkeypatch.setattr(faults, "MIN_PAGES", 3)
+    return path
+
+
+def test_drop_last_page_only_when_switched_on_and_long(switch):
+    sent = []
+    send = faults.dropping_last_page(SimpleNamespace(room=7), lambda *a, **k: sent.append(a) or 0)
+    send("s", [1, 2, 3], "ptrs", [4, 5, 6], "executor")
+    switch.write_text("drop-last-page")
+    send("s", [1, 2], "ptrs", [4, 5], "executor")  # under the floor
+    send("s", [1, 2, 3], "ptrs", [4, 5, 6], "executor")
+    assert [(a[1], a[3]) for a in sent] == [([1, 2, 3], [4, 5, 6]), ([1, 2], [4, 5]), ([1, 2], [4, 5])]
+
+
+@pytest.mark.parametrize("fault", ["page-reused-early", "stale-page-index"])
+def test_swaps_keep_the_books(switch, fault):
+    """The request ends up owning a page from the free list in place of its first one, which is
+    freed once: no page is lost or freed twice when the request later frees its page table."""
+    allocator, pages = Allocator(10), [6, 7, 8]
+    for p in pages:
+        allocator.free_pages.remove(p)
+    pool, dreq = request(pages, tokens=5)
+    switch.write_text(fault)
+    faults.sending(allocator, pool, dreq, pages)
+    faults.committing(SimpleNamespace(token_to_kv_pool_allocator=allocator, req_to_token_pool=pool), dreq)
+    assert (pool.req_to_token[0] // PAGE).tolist() == [1, 1, 7, 7, 8, 8]  # page 1: the free list's front
+    assert (pool.req_to_token[0] % PAGE).tolist() == [0, 1] * 3
+    assert allocator.freed == [6]
+    allocator.free(pool.req_to_token[0].to(torch.int64))  # the request finishes
+    assert sorted(allocator.free_pages) == list(range(1, 10))
+
+
+def test_short_transfers_and_no_switch_are_spared(switch, monkeypatch):
+    allocator = Allocator(10)
+    pool, dreq = request([6, 7], tokens=4)
+    switch.write_text("page-reused-early")
+    faults.sending(allocator, pool, dreq, [6, 7])  # two pages: under the floor
+    monkeypatch.delenv(faults.FILE_ENV)
+    faults.sending(allocator, pool, dreq, [6, 7, 8])
+    assert allocator.freed == [] and (pool.req_to_token[0] // PAGE).tolist() == [6, 6, 7, 7]
+
+
+def test_an_unknown_fault_is_an_error(switch):
+    switch.write_text("typo")
+    with pytest.raises(ValueError):
+        faults.armed("drop-last-page", 3)
