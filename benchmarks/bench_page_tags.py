@@ -1,29 +1,47 @@
 """H8 page tags on CPU: one request's allocate + stamp + check against the decode step it protects.
 
-    python benchmarks/bench_page_tags.py --prompt-tokens 512 --repeat 50
+    python benchmarks/bench_page_tags.py --prompt-tokens 512 --repeat 200
+    python benchmarks/bench_page_tags.py --step-from-cluster 0.5.23   # + SGLang's real step (minutes)
 
-The decode step is a stand-in, not SGLang: the tiny test model's forward for
-one token (its shapes: 2 Llama layers, hidden 128, 4 heads / 2 KV heads of
-32, MLP 256, vocab 512) as plain torch ops over a KV cache of the prompt's
-length. Starting SGLang to time its step costs minutes on this 2-core host;
-its real step adds scheduler work, so the share printed here is an upper
-bound. The tag work runs once per request, a step runs once per token.
-Both run on one torch thread: on a shared 2-core host two spinning OpenMP
-threads make every small op 10-20x slower, and the ratio would measure that.
+Two decode steps to compare with. The stand-in, always measured: the tiny
+test model's forward for one token (its shapes: 2 Llama layers, hidden 128,
+4 heads / 2 KV heads of 32, MLP 256, vocab 512) as plain torch ops over a KV
+cache of the prompt's length, with no scheduler around it. The real one,
+with --step-from-cluster: a hardened CPU PD cluster of that base (the
+sandbox's, as bench_cluster.py starts it) serving greedy requests of the
+prompt's length one at a time; a step is the difference in latency between
+a long and a short answer over the difference in tokens, so prefill, the
+transfer, H8's own check and HTTP cancel out. Tag work runs once per
+request, a step once per token: the amortised share spreads it over
+--output-tokens steps. The tag work runs on one torch thread: on a shared
+2-core host two spinning OpenMP threads make every small op 10-20x slower,
+and the ratio would measure that.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from sglang_hardened.sandbox.cluster import ClusterParams, start
+from sglang_hardened.sandbox.env import build_env, default_overlay, wheels_for
+from sglang_hardened.sandbox.model import ensure_model
+from sglang_hardened.sandbox.oracle import generate
 from sglang_hardened.table import format_table
 
-from gpu_page_tags import measure  # benchmarks/ is on sys.path when run as a script
+# benchmarks/ is on sys.path when run as a script
+from bench_cluster import PROMPT, SAFE
+from gpu_page_tags import measure
+
+SHORT_ANSWER = 8  # tokens of the answer the long one is compared with
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 128, 2, 4, 2, 32, 256, 512
 
@@ -61,26 +79,91 @@ def decode_step_s(context: int, repeat: int) -> float:
     return statistics.median(runs)
 
 
+@dataclass(frozen=True)
+class ClusterStep:
+    """SGLang's decode step at batch 1, one estimate per request pair, and the prompt it followed."""
+
+    per_pair_s: list[float]
+    prompt_tokens: int
+    load: float  # the host's 1-minute load average when the pairs were done: other work slows a step
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.per_pair_s)
+
+
+def cluster_step(base: str, prompt_tokens: int, output_tokens: int, repeat: int) -> ClusterStep:
+    """Time SGLang's decode step on a hardened CPU PD cluster of `base` (started and stopped here).
+
+    Each pair of requests differs only in answer length (EOS ignored), so the
+    difference in latency is `output_tokens` decode steps and nothing else.
+    """
+    env = build_env(base, wheels_for(base, hardened=True), default_overlay())
+    cluster = start(env, ClusterParams(base=base, **SAFE), ensure_model(env))
+    try:
+        def ask(text: str, tokens: int) -> tuple[float, dict]:
+            sampling = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
+            reply = generate(cluster.lb_url, text, tokens, extra={"sampling_params": sampling})
+            if reply.status != 200:
+                raise SystemExit(f"request failed: {reply.status} {reply.body[:200]}")
+            meta = json.loads(reply.body)["meta_info"]
+            if meta["completion_tokens"] != tokens:
+                raise SystemExit(f"asked for {tokens} tokens, got {meta['completion_tokens']}")
+            return reply.seconds, meta
+
+        _, meta = ask(PROMPT, 1)  # the tokenizer's count for PROMPT sizes the real prompt
+        text = PROMPT * max(1, round(prompt_tokens / meta["prompt_tokens"]))
+        steps = []
+        for _ in range(repeat):
+            short, meta = ask(text, SHORT_ANSWER)
+            long, _ = ask(text, SHORT_ANSWER + output_tokens)
+            steps.append((long - short) / output_tokens)
+        return ClusterStep(steps, meta["prompt_tokens"], os.getloadavg()[0])
+    finally:
+        cluster.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--page-size", type=int, default=1, help="SGLang's default on CPU")
     parser.add_argument("--pool-tokens", type=int, default=65536)
-    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--step-from-cluster", metavar="BASE",
+                        help="also time SGLang's real decode step on a hardened CPU PD cluster of BASE")
+    parser.add_argument("--output-tokens", type=int, default=128,
+                        help="answer length: the real step's measure and the amortised share")
+    parser.add_argument("--cluster-repeat", type=int, default=10, help="request pairs sent to the cluster")
     args = parser.parse_args()
+    logging.getLogger("sglang_hardened").setLevel(logging.CRITICAL)  # the fault check's refusals are expected
+    real = (cluster_step(args.step_from_cluster, args.prompt_tokens, args.output_tokens, args.cluster_repeat)
+            if args.step_from_cluster else None)  # first and alone: the cluster's servers would share the CPU
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
     pages = -(-args.prompt_tokens // args.page_size)
     measure(cpu, args.pool_tokens, args.page_size, batch=1, pages_per_request=pages, repeat=5)  # warm-up
     m = measure(cpu, args.pool_tokens, args.page_size, batch=1, pages_per_request=pages, repeat=args.repeat)
-    step = decode_step_s(args.prompt_tokens, args.repeat)
-    rows = [(name, f"{s * 1e6:.1f}", f"{s / pages * 1e9:.1f}", f"{s / step * 100:.2f} %")
-            for name, s in (("decode allocate", m.allocate_s), ("prefill stamp", m.stamp_s),
-                            ("decode check", m.check_s), ("H8 in all", m.total_s))]
-    rows.append(("tiny-model decode step (stand-in)", f"{step * 1e6:.1f}", "", "100 %"))
+    steps = {"stand-in": decode_step_s(args.prompt_tokens, args.repeat)}
+    if real:
+        steps = {f"SGLang {args.step_from_cluster}": real.median_s, **steps}
+    parts = (("decode allocate", m.allocate_s), ("prefill stamp", m.stamp_s), ("decode check", m.check_s),
+             ("decode release", m.release_s), ("decode's part (all but the stamp)", m.total_s - m.stamp_s),
+             ("H8 in all, once per request", m.total_s))
+    rows = [(name, f"{s * 1e6:.1f}", f"{s / pages * 1e9:.1f}", *(f"{s / st * 100:.2f} %" for st in steps.values()))
+            for name, s in parts]
+    rows += [(f"decode step, {name}, once per token", f"{st * 1e6:.1f}", "",
+              *("100 %" if n == name else "" for n in steps)) for name, st in steps.items()]
     print(f"one request, {args.prompt_tokens} tokens = {pages} pages of {args.page_size}; "
-          f"medians of {args.repeat}; one torch thread")
-    print(format_table(("what", "us", "ns per page", "share of a step"), rows))
+          f"medians of {args.repeat}; one torch thread; host load {os.getloadavg()[0]:.1f}")
+    if real:
+        print(f"SGLang step: hardened {args.step_from_cluster} CPU PD cluster, tiny model, batch 1, "
+              f"{real.prompt_tokens}-token prompt, {SHORT_ANSWER + args.output_tokens}- minus {SHORT_ANSWER}-token "
+              f"answers; median of {len(real.per_pair_s)} pairs (from {min(real.per_pair_s) * 1e6:.0f} "
+              f"to {max(real.per_pair_s) * 1e6:.0f} us); host load {real.load:.1f}")
+    print(format_table(("what", "us", "ns per page", *(f"share of {n} step" for n in steps)), rows))
+    amortised = (f"{m.total_s / (st * args.output_tokens) * 100:.3f} % of {n} decoding" for n, st in steps.items())
+    print(f"amortised over a {args.output_tokens}-token answer (H8 once, {args.output_tokens} steps): "
+          + ", ".join(amortised))
     print(f"faulty request refused: {m.failures_caught == 1}")
 
 

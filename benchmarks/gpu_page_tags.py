@@ -4,11 +4,14 @@
     python benchmarks/gpu_page_tags.py --device cpu --pool-tokens 65536
 
 Each request gets pages_per_request pages (default: the pool shared evenly by
-the batch). Timed per repeat: decode's `allocate` per request, prefill's
-`stamp` per request, and one `check_many` over the batch (its one sync
-included). The transfer between the two buffers is the engine's work and is
-not timed. A second check after a fault in every request (the chunk holding
-its first page lost) must refuse the whole batch.
+the batch) as its own int64 index tensor on the device (SGLang's seams pass
+int32 arrays: their conversion is not timed). Timed per repeat: decode's
+`allocate` per request, prefill's `stamp` per request, one `check_many` over
+the batch (its one sync included), and decode's `release` per request (the
+seams release a request's rows right after its check). The transfer between
+the two buffers is the engine's work and is not timed. A second check after
+a fault in every request (the chunk holding its first page lost) must refuse
+the whole batch.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Measurement:
     allocate_s: float  # medians over the repeats, for the whole batch
     stamp_s: float
     check_s: float
+    release_s: float
     failures_caught: int
 
     @property
@@ -39,7 +43,7 @@ class Measurement:
 
     @property
     def total_s(self) -> float:
-        return self.allocate_s + self.stamp_s + self.check_s
+        return self.allocate_s + self.stamp_s + self.check_s + self.release_s
 
 
 def _timed(device: torch.device, work) -> float:
@@ -61,32 +65,35 @@ def measure(device: torch.device, pool_tokens: int, page_size: int, batch: int,
     prefill = TagBuffer(num_pages, device)
     gen = torch.Generator().manual_seed(0)
     rooms = torch.randint(0, 2**63 - 1, (batch,), generator=gen).tolist()
-    times: list[tuple[float, float, float]] = []
+    times: list[tuple[float, float, float, float]] = []
     caught = 0
     for _ in range(repeat):
         dst = torch.randperm(num_pages, generator=gen)[: batch * per].view(batch, per).to(device)
         src = torch.randperm(num_pages, generator=gen)[: batch * per].view(batch, per).to(device)
+        # One tensor per request, split outside the timing: iterating a 2-D tensor (its unbind) is not H8's.
+        requests, sources = list(zip(rooms, dst)), list(src)
         epochs: list[int] = []
-        allocate = _timed(device, lambda: epochs.extend(decode.allocate(r, p) for r, p in zip(rooms, dst)))
-        stamp = _timed(device, lambda: [prefill.stamp(s, r, e) for s, r, e in zip(src, rooms, epochs)])
+        allocate = _timed(device, lambda: epochs.extend(decode.allocate(r, p) for r, p in requests))
+        stamp = _timed(device, lambda: [prefill.stamp(s, r, e) for s, r, e in zip(sources, rooms, epochs)])
         decode.buffer.rows[dst.flatten()] = prefill.rows[src.flatten()]  # the engine's transfer
-        requests = list(zip(rooms, dst))
         verdicts: list[str | None] = []
         check = _timed(device, lambda: verdicts.extend(decode.check_many(requests)))
         if any(verdicts):
             raise AssertionError(f"a clean batch was refused: {next(v for v in verdicts if v)}")
-        times.append((allocate, stamp, check))
         decode.buffer.clear(dst[:, 0])  # the chunk holding each request's first page was lost
         caught = sum(v is not None for v in decode.check_many(requests))
-    allocate_s, stamp_s, check_s = (statistics.median(t) for t in zip(*times))
-    return Measurement(batch, per, allocate_s, stamp_s, check_s, caught)
+        release = _timed(device, lambda: [decode.release(r, p) for r, p in requests])
+        times.append((allocate, stamp, check, release))
+    allocate_s, stamp_s, check_s, release_s = (statistics.median(t) for t in zip(*times))
+    return Measurement(batch, per, allocate_s, stamp_s, check_s, release_s, caught)
 
 
 def report(m: Measurement) -> str:
     """Per page and per request, for each step and in all."""
     rows = [(name, f"{s * 1e6:.1f}", f"{s / m.batch * 1e6:.2f}", f"{s / m.pages * 1e9:.1f}")
             for name, s in (("decode allocate", m.allocate_s), ("prefill stamp", m.stamp_s),
-                            ("decode check_many", m.check_s), ("all", m.total_s))]
+                            ("decode check_many", m.check_s), ("decode release", m.release_s),
+                            ("all", m.total_s))]
     table = format_table(("step", "batch us", "per request us", "ns per page"), rows)
     return f"{table}\nfaulty batch: {m.failures_caught} of {m.batch} requests refused"
 
