@@ -47,10 +47,12 @@ def _disconnect_during_transfer(cluster, folder: Path) -> int:
 
 
 def _released_after_write_s(ledger: Ledger, room: int) -> float:
-    """Seconds from the room's last write returning to decode freeing its pages."""
-    pages = set(next(e["pages"] for e in ledger.of("expose") if e["room"] == room))
+    """Seconds from the room's last write returning to decode freeing its pages (negative:
+    freed while the write was in flight)."""
+    exposure = next(e for e in ledger.of("expose") if e["room"] == room)
     end = max(w.end for w in ledger.writes() if w.room == room)
-    return min(e["t"] for e in ledger.of("free") if pages & set(e["pages"]) and e["t"] >= end) - end
+    return min(e["t"] for e in ledger.of("free")
+               if set(exposure["pages"]) & set(e["pages"]) and e["t"] >= exposure["t"]) - end
 
 
 def _disconnect_case(start_cluster, tmp_path: Path, base: str, hardened: bool) -> tuple[list, float]:
