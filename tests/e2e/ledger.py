@@ -2,8 +2,7 @@
 
 The rule: a decode page exposed to a room's transfer must not go back to the
 free list before every write of that room into it has returned. A write
-that never returned (its prefill was killed or hangs) may still land until
-``writers_dead_at``, the time the test killed the writer, or forever.
+that never returned may still land at any time.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ class Write:
     pages: tuple[int, ...]
     begin: float
     end: float  # math.inf: never returned
-    rc: int | None
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,7 @@ class Ledger:
     def of(self, ev: str) -> list[dict]:
         return [e for e in self.events if e["ev"] == ev]
 
-    def writes(self, writers_dead_at: float = math.inf) -> list[Write]:
+    def writes(self) -> list[Write]:
         """Each begin paired with the next end of its room in its process."""
         open_: dict[tuple[str, int], list[dict]] = defaultdict(list)
         done: list[Write] = []
@@ -75,12 +73,12 @@ class Ledger:
                 open_[key].append(e)
             elif e["ev"] == "end" and open_[key]:
                 b = open_[key].pop(0)
-                done.append(Write(b["room"], tuple(b["pages"]), b["t"], e["t"], e["rc"]))
-        done += [Write(b["room"], tuple(b["pages"]), b["t"], writers_dead_at, None)
+                done.append(Write(b["room"], tuple(b["pages"]), b["t"], e["t"]))
+        done += [Write(b["room"], tuple(b["pages"]), b["t"], math.inf)
                  for begins in open_.values() for b in begins]
         return done
 
-    def unsafe_frees(self, writers_dead_at: float = math.inf) -> list[UnsafeFree]:
+    def unsafe_frees(self) -> list[UnsafeFree]:
         """Every page freed after its exposure to a room and before that room's write into it returned."""
         exposures: dict[int, list[tuple[float, int]]] = defaultdict(list)  # page -> [(t, room)]
         frees: dict[int, list[float]] = defaultdict(list)
@@ -92,7 +90,7 @@ class Ledger:
                 for p in e["pages"]:
                     frees[p].append(e["t"])
         found = []
-        for w in self.writes(writers_dead_at):
+        for w in self.writes():
             for p in w.pages:
                 exposed_at = max((t for t, room in exposures[p] if room == w.room and t <= w.begin), default=None)
                 if exposed_at is None:

@@ -79,6 +79,8 @@ AT_LIMIT, OVER_LIMIT = prompt_of(249), prompt_of(250)
 CHUNKED = prompt_of(201)  # four 64-token chunks: needs chunked prefill, fits the pool
 BOUNDARY_PARAMS = dict(**LEAK_PARAMS, chunked_prefill_size=64)
 # A configuration H7 accepts: both pools hold the context (and decode its 512-token reserve).
+# 120 one-token pages: over the page ledger's slow-call threshold (sgl_ledger.SLOW_MIN_PAGES).
+SLOW_PROMPT = prompt_of(120)
 SAFE_PARAMS = dict(prefill_pool_tokens=1024, decode_pool_tokens=1600, context_length=1024)
 
 # The roles disagree on the prompt: --allow-auto-truncate with prefill's input

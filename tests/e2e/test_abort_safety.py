@@ -25,19 +25,18 @@ from tests.conftest import phase
 
 from .conftest import sandbox_env
 from .ledger import Ledger, wait_for, writer
-from .scenarios import SAFE_PARAMS, bootstrap_fields, core, hang_up, post, prompt_of, upstream_only, wait_pages_idle
+from .scenarios import SAFE_PARAMS, SLOW_PROMPT, bootstrap_fields, core, hang_up, post, upstream_only, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
 
 SLOW_S = 10.0  # over SGLang's 4 s disconnect poll, so the abort lands mid-call
 RELEASE_TIMEOUT_S = load_limits("H6")["release_timeout_s"]  # upstream's default, which these clusters keep
-PROMPT = prompt_of(120)  # 120 one-token pages: over the ledger's slow-call threshold
 
 
 def _disconnect_during_transfer(cluster, folder: Path) -> int:
-    """Send PROMPT to both roles, hang up on both once prefill's write call into decode has
+    """Send SLOW_PROMPT to both roles, hang up on both once prefill's write call into decode has
     begun, wait for that call to return; the room."""
-    body = {"text": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
+    body = {"text": SLOW_PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
             **bootstrap_fields(cluster)}
     conns = [post(cluster.prefill_url, body), post(cluster.decode_url, body)]
     room = wait_for(folder, "begin", writer.SLOW_MIN_PAGES)["room"]

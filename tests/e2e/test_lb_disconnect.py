@@ -21,29 +21,30 @@ from tests.conftest import phase
 
 from .conftest import launch, sandbox_env
 from .ledger import Ledger, wait_for, writer
-from .scenarios import SAFE_PARAMS, hang_up, post, prompt_of, wait_pages_idle
+from .scenarios import SAFE_PARAMS, SLOW_PROMPT, hang_up, post, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
 
 BASE = "0.5.19"
 SLOW_S = 4.0
-PROMPT = prompt_of(120)  # 120 one-token pages: over the ledger's slow-call threshold
 LONG_OUTPUT = 400  # decode runs for seconds after the transfer
 
 
 @pytest.fixture(scope="module")
-def ledger_cluster(tmp_path_factory) -> Iterator[tuple[Cluster, Path]]:
+def ledger_cluster(tmp_path_factory) -> Iterator[tuple[Cluster, Path, dict[str, int]]]:
+    """The cluster, its ledger folder, and the KV tokens each role holds when idle."""
     folder = tmp_path_factory.mktemp("ledger")
     cluster = launch(sandbox_env(BASE), **SAFE_PARAMS, lb="hardened",
                      extra_env=(f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}"))
-    yield cluster, folder
+    yield cluster, folder, cluster.used_tokens()
     cluster.stop()
 
 
 def _hang_up_at(cluster: Cluster, folder: Path, when: str) -> None:
-    """Send PROMPT through the LB and hang up at phase ``when``."""
+    """Send SLOW_PROMPT through the LB, hang up at phase ``when``, and wait until decode has
+    freed some of the request's pages (so the next phase starts from an idle cluster)."""
     sent = time.monotonic()
-    conn = post(cluster.lb_url, {"text": PROMPT, "stream": when == "mid-stream",
+    conn = post(cluster.lb_url, {"text": SLOW_PROMPT, "stream": when == "mid-stream",
                                  "sampling_params": {"temperature": 0.0, "max_new_tokens": LONG_OUTPUT}})
     if when == "after-bootstrap":  # decode has sent prefill its page indices
         wait_for(folder, "expose", writer.SLOW_MIN_PAGES, after=sent)
@@ -56,14 +57,15 @@ def _hang_up_at(cluster: Cluster, folder: Path, when: str) -> None:
         assert response.status == 200, response.read()[:300]
         assert response.readline().startswith(b"data:")  # the first streamed chunk
     hang_up([conn])
+    exposure = wait_for(folder, "expose", writer.SLOW_MIN_PAGES, after=sent)
+    wait_for(folder, "free", timeout_s=SLOW_S + 60, after=exposure["t"])
 
 
 @pytest.mark.parametrize("when", ["before-bootstrap", "after-bootstrap", "during-transfer", "during-decode",
                                   "mid-stream"])
 def test_client_hang_up_at_any_phase_frees_no_page_being_written(ledger_cluster, request, when):
-    cluster, folder = ledger_cluster
+    cluster, folder, idle = ledger_cluster
     request.node.sandbox_clusters = [cluster]
-    idle = cluster.used_tokens()
     with phase(f"scenario lb hang-up {when} {BASE} upstream"):
         _hang_up_at(cluster, folder, when)
         used = wait_pages_idle(cluster, idle, timeout_s=SLOW_S + 60)
