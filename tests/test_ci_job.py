@@ -28,7 +28,9 @@ def test_job_reports_a_conflict_and_asks_for_a_human(tree_copy, drop_base, tmp_p
 
 def test_job_carries_a_clean_release_verifies_builds_and_tests_it(tree_copy, drop_base, drop_ids, tmp_path):
     drop_base("0.5.23")  # 0.5.22's H0 carries onto 0.5.23 (same /server_info shape)
-    drop_ids("0.5.22", "H8")  # H8 needs a human there (test_rebase.py)
+    # H8 needs a human there (test_rebase.py), so does H5's release-guard seam: 0.5.23
+    # rewrote the deferred-release deadline check it sits in
+    drop_ids("0.5.22", "H8", "H5")
     report = tmp_path / "report.md"
     marker = tmp_path / "tests-ran"
     done = subprocess.run(["bash", str(REPO / "ci" / "upstream-rebase"), str(report)],

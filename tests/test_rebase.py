@@ -22,6 +22,8 @@ H3 = "0006-h3-refuse-decode-over-unwritten-pages.patch"
 H4 = "0007-h4-end-request-on-decode-when-prefill-ends-it.patch"
 # The backport of 0.5.21's deferred-release default and drain-ack fixes (0.5.19, 0.5.20).
 H5 = "0008-h5-backport-deferred-release-default-on.patch"
+# H5's own seam: past the release timeout, hold the pages while prefill may still write.
+H5G = "0012-h5-hold-pages-while-prefill-may-write.patch"
 H8 = "0010-h8-page-ownership-tags.patch"
 H8N = "0011-h8-page-tags-nixl.patch"
 H6B = "0020-h6-backport-mooncake-transfer-batch-indices.patch"
@@ -42,18 +44,23 @@ H1_0520_ONLY = "+        self._release_aborted_request(req)"
 # neighbour in 0.5.22 (routed experts): a human made that base's variant.
 # H3's and H4's seams sit beside lines upstream keeps changing (3-way merges).
 # H6's backport is upstream's own split (0.5.20 on); the engine wrapper H6
-# seams gained an import line. H5's backport is 0.5.21's own code; 0.5.22 reworked
-# the drain ack (generation numbers), so a human confirms it is upstream there.
-@pytest.mark.parametrize("target, verdict, h1, h2, h5", [
-    ("0.5.20", OFFSET, MERGED, MERGED, OFFSET), ("0.5.21", MERGED, UPSTREAM, MERGED, UPSTREAM),
-    ("0.5.22", CONFLICT, UPSTREAM, CONFLICT, CONFLICT), ("0.5.23", CONFLICT, UPSTREAM, CONFLICT, CONFLICT)])
-def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, target, verdict, h1, h2, h5, tmp_path):
+# seams gained an import line. H5's backport is 0.5.21's own code (0.5.20 changed a
+# line beside its failure-path hunk: a 3-way merge); 0.5.22 reworked the drain ack
+# (generation numbers), so a human confirms it is upstream there. H5's guard seam sits in
+# the deadline check, beside lines the backport and each release touch (3-way merges);
+# 0.5.22 moved its import's neighbours and 0.5.23 rewrote the check itself: a human.
+@pytest.mark.parametrize("target, verdict, h1, h2, h5, h5g", [
+    ("0.5.20", OFFSET, MERGED, MERGED, MERGED, MERGED), ("0.5.21", MERGED, UPSTREAM, MERGED, UPSTREAM, MERGED),
+    ("0.5.22", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT),
+    ("0.5.23", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT)])
+def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, target, verdict, h1, h2, h5, h5g,
+                                    tmp_path):
     drop_base(target)
     drop_ids("0.5.19", "H8")  # per-base variants: tests below and test_h8_* say what it needs
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
-        H6B: UPSTREAM, H6: OFFSET}
+        H5G: h5g, H6B: UPSTREAM, H6: OFFSET}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -84,22 +91,23 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy, drop_i
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
-        H6: APPLIES}
+        H5G: MERGED, H6: APPLIES}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
     assert f"# dropped {H5}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / H1).exists() and not (written / H5).exists()
-    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H6]
+    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H5G, H6]
 
 
 def test_h8_needs_a_human_where_upstream_refactored_the_receivers(tree_copy):
     """0.5.23 moved the Mooncake and NIXL receivers' bootstrap messages into their managers:
-    H8's seams there conflict (the rest of 0.5.22's series carries), and the job says so."""
+    H8's seams there conflict, and it rewrote the deferred-release deadline check H5's guard
+    sits in (the rest of 0.5.22's series carries); the job says so."""
     shutil.rmtree(tree_copy / "0.5.23")
     result = rebase(tree_copy, "0.5.22", "0.5.23")
     conflicts = [v for v in result.verdicts if v.verdict == CONFLICT]
-    assert [v.patch.name for v in conflicts] == [H8, H8N]
+    assert [v.patch.name for v in conflicts] == [H8, H8N, H5G]
     assert "sglang/srt/disaggregation/mooncake/conn.py" in conflicts[0].rejects
     assert "sglang/srt/disaggregation/nixl/conn.py" in conflicts[1].rejects
     assert not result.clean
@@ -115,7 +123,7 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert not (tree_copy / "0.5.23").exists()
     assert (tree_copy / "upstream.lock").read_text() == lock_before
     rejected = sorted(rejects.iterdir())
-    assert {r.name.split(".", 1)[0] for r in rejected} == {p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N)}
+    assert {r.name.split(".", 1)[0] for r in rejected} == {p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G)}
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 
