@@ -80,6 +80,7 @@ class Proc:
     log: str
     url: str
     port: int
+    cmd: list[str] = field(default_factory=list)  # how it was started (a server: to restart it)
 
 
 @dataclass
@@ -162,6 +163,20 @@ class Cluster:
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and (marked_pids(self.run_id) or self.held_ports()):
             time.sleep(0.2)
+
+    def restart(self, name: str, env: SandboxEnv, deadline_s: float = 180.0) -> None:
+        """Kill server ``name`` (if anything of it is left) and start it again on the same
+        ports, as an orchestrator replaces a crashed pod; return once it is healthy."""
+        proc = self.procs[name]
+        _signal_group(proc.pid, signal.SIGKILL)
+        _reap(proc.pid)
+        ports = [proc.port] + ([self.bootstrap_port] if name == "prefill" else [])
+        deadline = time.monotonic() + 30
+        while any(port_in_use(p) for p in ports) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid, log = _spawn(name, proc.cmd, _child_env(env, self.params, self.run_id), self.run_dir, append=True)
+        self.procs[name] = Proc(name, pid, log, proc.url, proc.port, proc.cmd)
+        _wait(self, [name], time.monotonic() + deadline_s, _healthy)
 
     def held_ports(self) -> list[int]:
         ports = [p.port for p in self.procs.values()] + [self.bootstrap_port]
@@ -275,9 +290,9 @@ def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str) -> dict[str, str]
     return e
 
 
-def _spawn(name: str, cmd: list[str], env: dict[str, str], run_dir: Path) -> tuple[int, str]:
+def _spawn(name: str, cmd: list[str], env: dict[str, str], run_dir: Path, append: bool = False) -> tuple[int, str]:
     log = run_dir / f"{name}.log"
-    with log.open("w") as out:
+    with log.open("a" if append else "w") as out:
         # cwd: ``python -m`` puts it first on sys.path, so the caller's could shadow sglang
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True, cwd=run_dir)
@@ -340,7 +355,7 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
             if role == "prefill":
                 cmd += ["--disaggregation-bootstrap-port", str(bp)]
             pid, log = _spawn(role, cmd, child_env, run_dir)
-            cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port)
+            cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port, cmd)
         _wait(cluster, ["prefill", "decode"], t0 + deadline_s, _healthy)
         _start_lb(cluster, env, params.lb, "lb", lp)
         _wait(cluster, ["lb"], t0 + deadline_s, _serves if params.probe_transfer else _healthy)

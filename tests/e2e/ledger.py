@@ -63,8 +63,9 @@ class Ledger:
     def of(self, ev: str) -> list[dict]:
         return [e for e in self.events if e["ev"] == ev]
 
-    def writes(self) -> list[Write]:
-        """Each begin paired with the next end of its room in its process."""
+    def writes(self, killed_at: float = math.inf) -> list[Write]:
+        """Each begin paired with the next end of its room in its process; one that never
+        returned ends at ``killed_at``, when its writer was killed (if it was)."""
         open_: dict[tuple[str, int], list[dict]] = defaultdict(list)
         done: list[Write] = []
         for e in self.events:
@@ -74,12 +75,13 @@ class Ledger:
             elif e["ev"] == "end" and open_[key]:
                 b = open_[key].pop(0)
                 done.append(Write(b["room"], tuple(b["pages"]), b["t"], e["t"]))
-        done += [Write(b["room"], tuple(b["pages"]), b["t"], math.inf)
+        done += [Write(b["room"], tuple(b["pages"]), b["t"], killed_at)
                  for begins in open_.values() for b in begins]
         return done
 
-    def unsafe_frees(self) -> list[UnsafeFree]:
-        """Every page freed after its exposure to a room and before that room's write into it returned."""
+    def unsafe_frees(self, killed_at: float = math.inf) -> list[UnsafeFree]:
+        """Every page freed after its exposure to a room and before that room's write into it
+        returned (or its writer was killed: see ``writes``)."""
         exposures: dict[int, list[tuple[float, int]]] = defaultdict(list)  # page -> [(t, room)]
         frees: dict[int, list[float]] = defaultdict(list)
         for e in self.events:
@@ -90,7 +92,7 @@ class Ledger:
                 for p in e["pages"]:
                     frees[p].append(e["t"])
         found = []
-        for w in self.writes():
+        for w in self.writes(killed_at):
             for p in w.pages:
                 exposed_at = max((t for t, room in exposures[p] if room == w.room and t <= w.begin), default=None)
                 if exposed_at is None:
@@ -99,3 +101,11 @@ class Ledger:
                 if freed_at < w.end:
                     found.append(UnsafeFree(w.room, p, freed_at, w.end))
         return found
+
+    def held_after_write_s(self, room: int) -> float:
+        """Seconds from the room's last write returning to decode freeing its pages
+        (negative: freed while the write was in flight)."""
+        exposure = next(e for e in self.of("expose") if e["room"] == room)
+        end = max(w.end for w in self.writes() if w.room == room)
+        return min(e["t"] for e in self.of("free")
+                   if set(exposure["pages"]) & set(e["pages"]) and e["t"] >= exposure["t"]) - end

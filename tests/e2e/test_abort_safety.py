@@ -14,6 +14,7 @@ lands after the wait.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,8 @@ from tests.conftest import phase
 
 from .conftest import sandbox_env
 from .ledger import Ledger, wait_for, writer
-from .scenarios import SAFE_PARAMS, SLOW_PROMPT, bootstrap_fields, core, hang_up, post, upstream_only, wait_pages_idle
+from .inflight import send_mid_transfer
+from .scenarios import SAFE_PARAMS, core, hang_up, upstream_only, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -36,22 +38,10 @@ RELEASE_TIMEOUT_S = load_limits("H6")["release_timeout_s"]  # upstream's default
 def _disconnect_during_transfer(cluster, folder: Path) -> int:
     """Send SLOW_PROMPT to both roles, hang up on both once prefill's write call into decode has
     begun, wait for that call to return; the room."""
-    body = {"text": SLOW_PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
-            **bootstrap_fields(cluster)}
-    conns = [post(cluster.prefill_url, body), post(cluster.decode_url, body)]
-    room = wait_for(folder, "begin", writer.SLOW_MIN_PAGES)["room"]
-    hang_up(conns)  # the client goes away mid-transfer
+    req = send_mid_transfer(cluster, folder, rid=uuid.uuid4().hex)
+    hang_up(list(req.conns.values()))  # the client goes away mid-transfer
     wait_for(folder, "end", timeout_s=SLOW_S + 30)
-    return room
-
-
-def _released_after_write_s(ledger: Ledger, room: int) -> float:
-    """Seconds from the room's last write returning to decode freeing its pages (negative:
-    freed while the write was in flight)."""
-    exposure = next(e for e in ledger.of("expose") if e["room"] == room)
-    end = max(w.end for w in ledger.writes() if w.room == room)
-    return min(e["t"] for e in ledger.of("free")
-               if set(exposure["pages"]) & set(e["pages"]) and e["t"] >= exposure["t"]) - end
+    return req.room
 
 
 def _disconnect_case(start_cluster, tmp_path: Path, base: str, hardened: bool) -> tuple[list, float]:
@@ -65,7 +55,7 @@ def _disconnect_case(start_cluster, tmp_path: Path, base: str, hardened: bool) -
         room = _disconnect_during_transfer(cluster, folder)
         assert wait_pages_idle(cluster, idle) == idle, "pages leaked"
     ledger = Ledger(folder)
-    return [u for u in ledger.unsafe_frees() if u.room == room], _released_after_write_s(ledger, room)
+    return [u for u in ledger.unsafe_frees() if u.room == room], ledger.held_after_write_s(room)
 
 
 @pytest.mark.parametrize("base", [b for b, k in upstream_only([("0.5.19", "mooncake")], "0.5.19") if k == "mooncake"

@@ -19,7 +19,9 @@ its exposure and before a write into it for that exposure ended.
 tiny model's KV in microseconds): a call into at least ``SLOW_MIN_PAGES``
 pages waits that long after ``begin`` before it writes, so an abort can
 arrive while the transfer is in flight; the write itself is real and lands
-after the wait.
+after the wait. With ``SANDBOX_SLOW_SWITCH`` set to a path, only while that
+file exists (a test slows the one request it catches mid-transfer, not the
+traffic around it).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 
 DIR_ENV = "SANDBOX_LEDGER_DIR"
 SLOW_ENV = "SANDBOX_SLOW_SEND_S"
+SLOW_SWITCH_ENV = "SANDBOX_SLOW_SWITCH"
 SLOW_MIN_PAGES = 16
 
 _lock = threading.Lock()
@@ -76,7 +79,8 @@ def writing(req, dst_pages, send):
         _record("begin", room=room, pages=pages)
         rc = None
         try:
-            if len(pages) >= SLOW_MIN_PAGES and os.environ.get(SLOW_ENV):
+            switch = os.environ.get(SLOW_SWITCH_ENV)
+            if len(pages) >= SLOW_MIN_PAGES and os.environ.get(SLOW_ENV) and (not switch or os.path.exists(switch)):
                 time.sleep(float(os.environ[SLOW_ENV]))
             rc = send(*args, **kwargs)
             return rc

@@ -1,0 +1,68 @@
+"""One request caught mid-transfer: sent to both roles as a load balancer does, returned
+once prefill's slowed write call into decode has begun (tests/e2e/ledger.py)."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .ledger import wait_for, writer
+from .scenarios import SLOW_PROMPT, bootstrap_fields, post
+
+
+@dataclass
+class Answer:
+    status: int | None  # None: no HTTP answer (the connection broke or timed out)
+    body: str
+    seconds: float  # from the request being sent
+
+
+@dataclass
+class InFlight:
+    room: int
+    rid: str
+    sent_at: float
+    conns: dict[str, http.client.HTTPConnection]
+    answers: dict[str, Answer] = field(default_factory=dict)
+    _readers: list[threading.Thread] = field(default_factory=list)
+
+    def read_answers(self, timeout_s: float) -> None:
+        """Read both roles' answers in the background (each socket waits ``timeout_s``)."""
+        for role, conn in self.conns.items():
+            conn.sock.settimeout(timeout_s)
+            t = threading.Thread(target=self._read, args=(role, conn), daemon=True)
+            t.start()
+            self._readers.append(t)
+
+    def _read(self, role: str, conn: http.client.HTTPConnection) -> None:
+        try:
+            r = conn.getresponse()
+            self.answers[role] = Answer(r.status, r.read().decode(errors="replace"), time.monotonic() - self.sent_at)
+        except OSError as e:
+            self.answers[role] = Answer(None, repr(e), time.monotonic() - self.sent_at)
+
+    def answer(self, role: str, timeout_s: float = 120.0) -> Answer:
+        deadline = time.monotonic() + timeout_s
+        while role not in self.answers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.answers.get(role) or Answer(None, f"no answer in {timeout_s:.0f} s", timeout_s)
+
+
+def send_mid_transfer(cluster, folder: Path, rid: str, slow_switch: Path | None = None) -> InFlight:
+    """Send SLOW_PROMPT to both roles; return once prefill's write into decode has begun.
+    ``slow_switch``: the cluster's SANDBOX_SLOW_SWITCH file, on for this request only."""
+    body = {"text": SLOW_PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
+            "rid": rid, **bootstrap_fields(cluster)}
+    if slow_switch:
+        slow_switch.touch()
+    sent_at = time.monotonic()
+    try:
+        conns = {"prefill": post(cluster.prefill_url, body), "decode": post(cluster.decode_url, body)}
+        room = wait_for(folder, "begin", writer.SLOW_MIN_PAGES, after=sent_at)["room"]
+    finally:
+        if slow_switch:
+            slow_switch.unlink()
+    return InFlight(room, rid, sent_at, conns)
