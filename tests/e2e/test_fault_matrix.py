@@ -1,5 +1,6 @@
 """H5 fault matrix: a request caught mid-transfer by each fault a PD cluster meets, on real
-Mooncake (TCP on 127.0.0.1), upstream and hardened builds of the same bases in one run.
+Mooncake (TCP on 127.0.0.1) and NIXL (UCX, DRAM), upstream and hardened builds of the
+same bases in one run.
 
 Per fault: the client's status and how long it waited; the page ledger
 (tests/cpu_overlay/site/sgl_ledger.py, in every build) judges whether decode freed a
@@ -30,7 +31,7 @@ from sglang_hardened.sandbox.env import SandboxEnv
 from .conftest import launch, sandbox_env
 from .inflight import InFlight, send_mid_transfer
 from .ledger import Ledger, wait_for, writer
-from .scenarios import FITTING_C, SAFE_PARAMS, core, observe_probes, wait_pages_idle
+from .scenarios import FITTING_C, FULL_MATRIX, SAFE_PARAMS, core, observe_probes, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +39,11 @@ SLOW_S = 6.0  # the caught request's write call waits this long before it writes
 RELEASE_TIMEOUT_S = 8  # decode's deferred-release timeout here (upstream's default is 30 s)
 HEARTBEAT = ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL=2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE=2")
 LOST_PEER_S = 20  # decode gives up on a silent prefill within 2 failed heartbeats (2 s + 3 s read timeout each)
-BUILDS = [(base, hardened) for base, backend in core() if backend == "mooncake" for hardened in (False, True)]
+# Upstream handles a killed peer safely too (the kill tests pass on it): CI runs them on
+# hardened builds only, the full matrix everywhere.
+KILLS_ON_UPSTREAM = FULL_MATRIX
+PAIRS = core() + [p for p in [("0.5.23", "nixl")] if p not in core()]
+BUILDS = [(base, backend, hardened) for base, backend in PAIRS for hardened in (False, True)]
 
 
 @dataclass
@@ -52,7 +57,7 @@ class FaultCluster:
 
     @property
     def name(self) -> str:
-        return f"{self.env.base} {'hardened' if self.hardened else 'upstream'}"
+        return f"{self.env.base} {self.cluster.params.backend} {'hardened' if self.hardened else 'upstream'}"
 
     def unsafe(self, room: int, killed_at: float = float("inf")) -> list:
         return [u for u in Ledger(self.ledger_dir).unsafe_frees(killed_at) if u.room == room]
@@ -60,18 +65,22 @@ class FaultCluster:
     def catch_mid_transfer(self) -> InFlight:
         return send_mid_transfer(self.cluster, self.ledger_dir, uuid.uuid4().hex, self.slow_switch)
 
+    def kill_tests_apply(self) -> None:
+        if not (self.hardened or KILLS_ON_UPSTREAM):
+            pytest.skip("upstream handles a killed peer safely as well; the full matrix runs it")
+
     def signal_prefill(self, sig: int) -> float:
         os.killpg(self.cluster.procs["prefill"].pid, sig)
         return time.monotonic()
 
 
-@pytest.fixture(scope="module", params=BUILDS, ids=lambda b: f"{b[0]}-{'hardened' if b[1] else 'upstream'}")
+@pytest.fixture(scope="module", params=BUILDS, ids=lambda b: f"{b[0]}-{b[1]}-{'hardened' if b[2] else 'upstream'}")
 def fc(request, tmp_path_factory):
-    base, hardened = request.param
+    base, backend, hardened = request.param
     env = sandbox_env(base, hardened=hardened)
     folder = tmp_path_factory.mktemp("ledger")
     switch = folder.parent / f"{folder.name}.slow"
-    cluster = launch(env, **SAFE_PARAMS, extra_env=(
+    cluster = launch(env, backend=backend, **SAFE_PARAMS, extra_env=(
         f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}",
         f"{writer.SLOW_SWITCH_ENV}={switch}", *HEARTBEAT,
         f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}"))
@@ -131,9 +140,25 @@ def test_prefill_stopped_past_the_release_timeout(fc):
         assert unsafe and all(u.write_end - u.freed_at > RELEASE_TIMEOUT_S / 2 for u in unsafe), unsafe[:3]
 
 
+def test_decode_killed_mid_transfer(fc):
+    """SIGKILL decode mid-write: prefill's write into the dead peer fails, prefill answers
+    with an error (not a success for KV nobody holds) and gets back every page it held;
+    decode is then restarted in place."""
+    fc.kill_tests_apply()
+    req = fc.catch_mid_transfer()
+    req.read_answers(120)
+    os.killpg(fc.cluster.procs["decode"].pid, signal.SIGKILL)
+    ans = req.answer("prefill", timeout_s=LOST_PEER_S + SLOW_S + 10)
+    print(f"\ndecode killed {fc.name}: prefill answered {ans.status} after {ans.seconds:.1f} s")
+    fc.cluster.restart("decode", fc.env)
+    assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
+    assert ans.status != 200, ans
+
+
 def test_prefill_killed_mid_transfer(fc):
     """SIGKILL prefill mid-write: decode fails the request within its heartbeat, and no
     page goes back before the writer is dead; prefill is then restarted in place."""
+    fc.kill_tests_apply()
     req = fc.catch_mid_transfer()
     req.read_answers(120)
     killed_at = fc.signal_prefill(signal.SIGKILL)

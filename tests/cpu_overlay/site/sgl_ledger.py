@@ -10,7 +10,8 @@ CLOCK_MONOTONIC (one clock for every process on the host):
   the room; from now on prefill may write into them.
 - decode ``free`` {pages}: these pages went back to the free list.
 - prefill ``begin`` {room, pages} / ``end`` {room, rc}: one synchronous
-  transfer call into those decode pages started / returned.
+  Mooncake call into those decode pages started / returned; a NIXL write
+  posted / every handle of its chunk settled DONE (``rc`` null).
 
 ``tests/e2e/ledger.py`` reads the files and reports every page freed after
 its exposure and before a write into it for that exposure ended.
@@ -72,18 +73,38 @@ def freed_pages(*page_ids) -> None:
         _record("free", pages=sorted({p for ids in page_ids for p in _ints(ids)}))
 
 
+def _begin(req, dst_pages) -> tuple[int, list[int]]:
+    """Record a write into decode pages beginning; slow it if asked (see the module doc)."""
+    room, pages = int(req.room), _ints(dst_pages)
+    _record("begin", room=room, pages=pages)
+    switch = os.environ.get(SLOW_SWITCH_ENV)
+    if len(pages) >= SLOW_MIN_PAGES and os.environ.get(SLOW_ENV) and (not switch or os.path.exists(switch)):
+        time.sleep(float(os.environ[SLOW_ENV]))
+    return room, pages
+
+
 def writing(req, dst_pages, send):
-    """Prefill's transfer worker: ``send`` wrapped so the call is recorded (and slowed)."""
+    """Prefill's Mooncake transfer worker: ``send`` wrapped so the call is recorded (and slowed)."""
     def call(*args, **kwargs):
-        room, pages = int(req.room), _ints(dst_pages)
-        _record("begin", room=room, pages=pages)
+        room, _ = _begin(req, dst_pages)
         rc = None
         try:
-            switch = os.environ.get(SLOW_SWITCH_ENV)
-            if len(pages) >= SLOW_MIN_PAGES and os.environ.get(SLOW_ENV) and (not switch or os.path.exists(switch)):
-                time.sleep(float(os.environ[SLOW_ENV]))
             rc = send(*args, **kwargs)
             return rc
         finally:
             _record("end", room=room, rc=rc if isinstance(rc, int) else None)
     return call
+
+
+def posting(req, dst_pages, post):
+    """Prefill's NIXL transfer worker: ``post`` wrapped so the write's start is recorded
+    (and slowed); ``landed`` records its end."""
+    def call(*args, **kwargs):
+        _begin(req, dst_pages)
+        return post(*args, **kwargs)
+    return call
+
+
+def landed(room) -> None:
+    """Prefill's NIXL transfer worker, once every handle of the room's chunk is DONE."""
+    _record("end", room=int(room), rc=None)
