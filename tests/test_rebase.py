@@ -28,6 +28,8 @@ H8 = "0010-h8-page-ownership-tags.patch"
 H8N = "0011-h8-page-tags-nixl.patch"
 H6B = "0020-h6-backport-mooncake-transfer-batch-indices.patch"
 H6 = "0021-h6-bound-mooncake-transfer-calls.patch"
+# The backport of 0.5.23's failed-session probe default (one environ.py line).
+H6P = "0022-h6-backport-failed-session-probe-default-on.patch"
 # Where 0.5.19 lacks a helper, its H1 variant uses the older call (a 3-way merge
 # carries that onto 0.5.20, whose hand-made variant uses the new helper).
 H1_0519_ONLY = "+        self.tree_cache.release_aborted_request(req.rid)"
@@ -49,6 +51,7 @@ H1_0520_ONLY = "+        self._release_aborted_request(req)"
 # (generation numbers), so a human confirms it is upstream there. H5's guard seam sits in
 # the deadline check, beside lines the backport and each release touch (3-way merges);
 # 0.5.22 moved its import's neighbours and 0.5.23 rewrote the check itself: a human.
+# The probe default's line only moves until 0.5.23 ships it.
 @pytest.mark.parametrize("target, verdict, h1, h2, h5, h5g", [
     ("0.5.20", OFFSET, MERGED, MERGED, MERGED, MERGED), ("0.5.21", MERGED, UPSTREAM, MERGED, UPSTREAM, MERGED),
     ("0.5.22", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT),
@@ -60,7 +63,7 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, tar
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
-        H5G: h5g, H6B: UPSTREAM, H6: OFFSET}
+        H5G: h5g, H6B: UPSTREAM, H6: OFFSET, H6P: UPSTREAM if target == "0.5.23" else OFFSET}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -91,13 +94,13 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy, drop_i
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
-        H5G: MERGED, H6: APPLIES}
+        H5G: MERGED, H6: APPLIES, H6P: OFFSET}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
     assert f"# dropped {H5}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / H1).exists() and not (written / H5).exists()
-    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H5G, H6]
+    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H5G, H6, H6P]
 
 
 def test_h8_needs_a_human_where_upstream_refactored_the_receivers(tree_copy):

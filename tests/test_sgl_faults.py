@@ -64,6 +64,15 @@ def test_drop_last_page_only_when_switched_on_and_long(switch):
     assert [(a[1], a[3]) for a in sent] == [([1, 2, 3], [4, 5, 6]), ([1, 2], [4, 5]), ([1, 2], [4, 5])]
 
 
+def test_fail_part_way_writes_half_then_reports_failure(switch):
+    sent = []
+    send = faults.failing_part_way(SimpleNamespace(room=7), lambda *a, **k: sent.append(a) or 0)
+    assert send("s", [1, 2, 3, 4], "ptrs", [5, 6, 7, 8], "executor") == 0
+    switch.write_text("fail-part-way")
+    assert send("s", [1, 2, 3, 4], "ptrs", [5, 6, 7, 8], "executor") == -1
+    assert [(a[1], a[3]) for a in sent] == [([1, 2, 3, 4], [5, 6, 7, 8]), ([1, 2], [5, 6])]
+
+
 @pytest.mark.parametrize("fault", ["page-reused-early", "stale-page-index"])
 def test_swaps_keep_the_books(switch, fault):
     """The request ends up owning a page from the free list in place of its first one, which is

@@ -27,6 +27,7 @@ from packaging.version import Version
 
 from sglang_hardened.sandbox.cluster import Cluster
 from sglang_hardened.sandbox.env import SandboxEnv
+from tests.conftest import overlay_module
 
 from .conftest import launch, sandbox_env
 from .inflight import InFlight, send_mid_transfer
@@ -35,9 +36,12 @@ from .scenarios import FITTING_C, FULL_MATRIX, SAFE_PARAMS, core, observe_probes
 
 pytestmark = pytest.mark.e2e
 
+FAULT_FILE_ENV = overlay_module("sgl_faults").FILE_ENV
+
 SLOW_S = 6.0  # the caught request's write call waits this long before it writes
 RELEASE_TIMEOUT_S = 8  # decode's deferred-release timeout here (upstream's default is 30 s)
 HEARTBEAT = ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL=2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE=2")
+PROBE_S = 2  # prefill probes a blacklisted Mooncake session this often (where the probe is on)
 LOST_PEER_S = 20  # decode gives up on a silent prefill within 2 failed heartbeats (2 s + 3 s read timeout each)
 # Upstream handles a killed peer safely too (the kill tests pass on it): CI runs them on
 # hardened builds only, the full matrix everywhere.
@@ -54,6 +58,7 @@ class FaultCluster:
     idle: dict[str, int]
     hardened: bool
     slow_switch: Path  # SANDBOX_SLOW_SWITCH: while it exists, a write call is slowed
+    fault_file: Path  # SANDBOX_PAGE_FAULT_FILE: the injected fault it names hits transfers
 
     @property
     def name(self) -> str:
@@ -79,12 +84,14 @@ def fc(request, tmp_path_factory):
     base, backend, hardened = request.param
     env = sandbox_env(base, hardened=hardened)
     folder = tmp_path_factory.mktemp("ledger")
-    switch = folder.parent / f"{folder.name}.slow"
+    switch, fault = folder.parent / f"{folder.name}.slow", folder.parent / f"{folder.name}.fault"
+    fault.write_text("")
     cluster = launch(env, backend=backend, **SAFE_PARAMS, extra_env=(
         f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}",
-        f"{writer.SLOW_SWITCH_ENV}={switch}", *HEARTBEAT,
+        f"{writer.SLOW_SWITCH_ENV}={switch}", f"{FAULT_FILE_ENV}={fault}", *HEARTBEAT,
+        f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
         f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}"))
-    yield FaultCluster(env, cluster, folder, cluster.used_tokens(), hardened, switch)
+    yield FaultCluster(env, cluster, folder, cluster.used_tokens(), hardened, switch, fault)
     cluster.stop()
 
 
@@ -138,6 +145,45 @@ def test_prefill_stopped_past_the_release_timeout(fc):
         assert Ledger(fc.ledger_dir).held_after_write_s(req.room) < RELEASE_TIMEOUT_S / 2, "not freed on the ack"
     else:
         assert unsafe and all(u.write_end - u.freed_at > RELEASE_TIMEOUT_S / 2 for u in unsafe), unsafe[:3]
+
+
+def _serves_within(cluster: Cluster, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while cluster.generate(FITTING_C, max_new_tokens=1, timeout=60).status != 200:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def test_transfer_fails_part_way(fc):
+    """A Mooncake send that writes half of the request's pages and then reports failure (a
+    link dropping mid-transfer): prefill fails the room and tells decode at once, the client
+    gets a 500, not decode's waiting timeout, and no page goes back under a live write.
+    Prefill then blacklists the decode's session: 0.5.19-0.5.22 fail every later request to
+    that decode until it restarts (their session probe is off); hardened builds and 0.5.23
+    probe the session and serve again."""
+    if fc.cluster.params.backend != "mooncake":
+        pytest.skip("the fail-part-way hook sits in the Mooncake transfer worker")
+    fc.fault_file.write_text("fail-part-way")
+    try:
+        req = fc.catch_mid_transfer()
+        req.read_answers(120)
+        wait_for(fc.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
+    finally:
+        fc.fault_file.write_text("")
+    assert f"SANDBOX PAGE FAULT fail-part-way: room {req.room}" in fc.cluster.log_tail("prefill", 400)
+    ans = req.answer("decode")
+    assert ans.status == 500 and ans.seconds < SLOW_S + LOST_PEER_S, ans
+    assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
+    unsafe = fc.unsafe(req.room)
+    _report(fc, "transfer failed part-way", req, unsafe)
+    assert not unsafe, "\n".join(map(str, unsafe[:5]))
+    if fc.hardened or Version(fc.env.base) >= Version("0.5.23"):
+        assert _serves_within(fc.cluster, PROBE_S * 5), "the blacklisted session was never probed back"
+    else:
+        assert not _serves_within(fc.cluster, PROBE_S * 3), "upstream served again without its probe"
+        fc.cluster.restart("decode", fc.env)  # what an operator of these releases has to do
 
 
 def test_decode_killed_mid_transfer(fc):

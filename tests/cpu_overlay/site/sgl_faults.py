@@ -30,7 +30,12 @@ request frees exactly the pages its page table holds.
   request's own read of what earlier requests left (``SANDBOX_LEDGER_DIR`` would show
   the page freed between its exposure and the write).
 
-H8 refuses each: the page read does not carry the request's (room, epoch).
+- ``fail-part-way`` (prefill, Mooncake transfer worker): a send writes the first
+  half of the chunk's pages, then reports failure (-1), as a link that drops
+  mid-transfer does. Not a read fault: the transfer fails, and the question is
+  what each side does with the pages (tests/e2e/test_fault_matrix.py).
+
+H8 refuses each read fault: the page read does not carry the request's (room, epoch).
 A dropped page's row was reset when decode allocated it and no row came; a
 swapped-in page's row was reset when its last owner released it (or holds an
 older epoch's late write), and this request's transfer never writes it.
@@ -44,7 +49,7 @@ import sys
 import torch
 
 FILE_ENV = "SANDBOX_PAGE_FAULT_FILE"
-FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early")
+FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early", "fail-part-way")
 MIN_PAGES = 16
 
 
@@ -74,6 +79,18 @@ def dropping_last_page(req, send):
             _hit("drop-last-page", req.room, f"decode page {int(dst_pages[-1])} left unwritten")
             prefill_pages, dst_pages = prefill_pages[:-1], dst_pages[:-1]
         return send(session_id, prefill_pages, dst_ptrs, dst_pages, *args, **kwargs)
+    return call
+
+
+def failing_part_way(req, send):
+    """Prefill's Mooncake transfer worker: ``send_kvcache`` that writes half the chunk, then fails."""
+    def call(session_id, prefill_pages, dst_ptrs, dst_pages, *args, **kwargs):
+        if not armed("fail-part-way", len(dst_pages)):
+            return send(session_id, prefill_pages, dst_ptrs, dst_pages, *args, **kwargs)
+        half = len(dst_pages) // 2
+        _hit("fail-part-way", req.room, f"{half} of {len(dst_pages)} pages written, then the call fails")
+        send(session_id, prefill_pages[:half], dst_ptrs, dst_pages[:half], *args, **kwargs)
+        return -1
     return call
 
 
