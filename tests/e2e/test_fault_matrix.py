@@ -29,7 +29,7 @@ from sglang_hardened.sandbox.cluster import Cluster
 from sglang_hardened.sandbox.env import SandboxEnv
 from tests.conftest import overlay_module
 
-from .conftest import launch, sandbox_env
+from .conftest import TIMINGS, launch, sandbox_env
 from .inflight import InFlight, send_mid_transfer
 from .ledger import Ledger, wait_for, writer
 from .scenarios import FITTING_C, FULL_MATRIX, SAFE_PARAMS, core, observe_probes, wait_pages_idle
@@ -95,13 +95,21 @@ def fc(request, tmp_path_factory):
     cluster.stop()
 
 
-def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list) -> None:
-    """One line per fault and build, for the run's log (the issue asks for the times)."""
-    ans = req.answer("decode")
-    pages = (f"{len(unsafe)} pages freed up to {max(u.write_end - u.freed_at for u in unsafe):.1f} s before the "
-             "write into them returned" if unsafe else
-             f"pages freed {Ledger(fc.ledger_dir).held_after_write_s(req.room):.3f} s after the write returned")
-    print(f"\n{fault} {fc.name}: decode answered {ans.status} after {ans.seconds:.1f} s; {pages}")
+def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = None, role: str = "decode") -> None:
+    """The client's wait goes into the run's table; one line per fault and build says how
+    long decode held the pages after the write returned (the drain ack), or how early it freed them."""
+    ans = req.answer(role)
+    p = fc.cluster.params
+    TIMINGS.append((f"fault: {fault} ({role} answer)", p.base, p.backend, "hardened" if fc.hardened else "upstream",
+                    ans.status or 0, ans.seconds))
+    if unsafe is None:  # a killed peer: no write returns
+        pages = "the writer died"
+    elif unsafe:
+        pages = (f"{len(unsafe)} pages freed up to {max(u.write_end - u.freed_at for u in unsafe):.1f} s before the "
+                 "write into them returned")
+    else:
+        pages = f"pages freed {Ledger(fc.ledger_dir).held_after_write_s(req.room):.3f} s after the write returned"
+    print(f"\n{fault} {fc.name}: {role} answered {ans.status} after {ans.seconds:.1f} s; {pages}")
 
 
 def test_decode_aborts_mid_transfer(fc):
@@ -195,7 +203,7 @@ def test_decode_killed_mid_transfer(fc):
     req.read_answers(120)
     os.killpg(fc.cluster.procs["decode"].pid, signal.SIGKILL)
     ans = req.answer("prefill", timeout_s=LOST_PEER_S + SLOW_S + 10)
-    print(f"\ndecode killed {fc.name}: prefill answered {ans.status} after {ans.seconds:.1f} s")
+    _report(fc, "decode killed", req, role="prefill")
     fc.cluster.restart("decode", fc.env)
     assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
     assert ans.status != 200, ans
@@ -213,7 +221,7 @@ def test_prefill_killed_mid_transfer(fc):
     fc.cluster.restart("prefill", fc.env)
     assert wait_pages_idle(fc.cluster, fc.idle, timeout_s=RELEASE_TIMEOUT_S + 30) == fc.idle, "pages leaked"
     unsafe = fc.unsafe(req.room, killed_at)
-    print(f"\nprefill killed {fc.name}: decode answered {ans.status} after {ans.seconds:.1f} s")
+    _report(fc, "prefill killed", req)
     assert not unsafe, "\n".join(map(str, unsafe[:5]))
 
 
