@@ -1,5 +1,6 @@
 """H5's release guard: past the release timeout a held page goes back only once the
-prefill that may write into it is gone, told apart from a stalled one by real sockets."""
+prefill that may write into it is gone or demonstrably running, told apart from a
+stalled one by real sockets and real processes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,21 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_hardened.runtime import release_guard
-from sglang_hardened.runtime.release_guard import PeerWatch, refuses
+from sglang_hardened.runtime.release_guard import GONE, RUNNING, SILENT, PeerWatch, probe
+
+# A prefill rank's endpoint is a ZMQ socket, whose I/O thread greets each new connection
+# with the ZMTP signature. Stand-in (pyzmq is not in the tool's environment): a process
+# that sends those 10 bytes on accept; the e2e fault matrix probes real ZMQ sockets.
+LISTENER = """
+import socket, sys, threading
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(16)
+print(s.getsockname()[1], flush=True)
+held = []
+while True:
+    c, _ = s.accept(); held.append(c)
+    if sys.argv[1] == "greet":
+        c.sendall(b"\\xff" + bytes(8) + b"\\x7f")
+"""
 
 
 def _closed_port() -> tuple[str, int]:
@@ -25,16 +40,20 @@ def _closed_port() -> tuple[str, int]:
 
 
 @pytest.fixture
-def stopped_listener():
-    """A process that listens and is then stopped (SIGSTOP), as a stalled prefill is."""
-    proc = subprocess.Popen([sys.executable, "-c", "import socket,sys,time\ns=socket.socket();s.bind(('127.0.0.1',0));"
-                             "s.listen(8);print(s.getsockname()[1],flush=True);time.sleep(600)"],
-                            stdout=subprocess.PIPE, text=True)
-    port = int(proc.stdout.readline())
-    proc.send_signal(signal.SIGSTOP)
-    yield ("127.0.0.1", port), proc
-    proc.kill()
-    proc.wait()
+def listener():
+    """Start a listening process (greeting or mute); yields a factory -> (endpoint, process)."""
+    procs = []
+
+    def start(greet: bool = True):
+        proc = subprocess.Popen([sys.executable, "-c", LISTENER, "greet" if greet else "mute"],
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        return ("127.0.0.1", int(proc.stdout.readline())), proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
 
 
 def _until(pred, timeout_s: float = 5.0) -> bool:
@@ -46,40 +65,49 @@ def _until(pred, timeout_s: float = 5.0) -> bool:
     return True
 
 
-def test_only_a_refused_connection_means_gone(stopped_listener):
-    (ep, _), closed = stopped_listener, _closed_port()
-    assert refuses(closed)
-    assert not refuses(ep), "a stopped process's socket still accepts: it may resume and write"
+def test_probe_tells_gone_running_and_stalled_apart(listener):
+    (greets, _), (mute, _), (stopped, proc) = listener(), listener(greet=False), listener()
+    proc.send_signal(signal.SIGSTOP)
+    assert probe(_closed_port()) == GONE
+    assert probe(greets) == RUNNING
+    assert probe(mute, timeout_s=0.3) == SILENT
+    assert probe(stopped, timeout_s=0.3) == SILENT, "a stopped process's kernel accepts, but nothing greets"
 
 
-def test_watch_says_gone_after_the_grace_and_not_before():
-    closed = _closed_port()
-    watch = PeerWatch(interval_s=0.05, grace_s=0.5)
+def test_gone_after_the_grace_running_after_its_window_and_not_before(listener):
+    closed, (greets, _) = _closed_port(), listener()
+    watch = PeerWatch(interval_s=0.05, grace_s=0.3)
     t0 = time.monotonic()
-    assert not watch.gone([closed]), "not probed yet: not gone"
-    assert _until(lambda: watch.gone([closed]))
-    assert time.monotonic() - t0 >= 0.5
+    assert not watch.settled([closed, greets], running_for_s=1.0), "not probed yet: neither"
+    assert _until(lambda: watch.settled([closed, greets], running_for_s=1.0))
+    assert time.monotonic() - t0 >= 1.0
 
 
-def test_a_process_that_dies_turns_gone_one_that_stays_stopped_never(stopped_listener):
-    ep, proc = stopped_listener
+def test_a_stopped_prefill_holds_until_it_runs_again_or_dies(listener):
+    (ep, proc) = listener()
+    proc.send_signal(signal.SIGSTOP)
     watch = PeerWatch(interval_s=0.05, grace_s=0.2)
-    watch.gone([ep])
-    assert not _until(lambda: watch.gone([ep]), timeout_s=1.5), "held while the process is stopped"
+    assert not _until(lambda: watch.settled([ep], running_for_s=0.5), timeout_s=2.0), "held while stopped"
+    proc.send_signal(signal.SIGCONT)
+    assert _until(lambda: watch.settled([ep], running_for_s=0.5)), "released once it has run a while"
+    proc.send_signal(signal.SIGSTOP)
+    assert _until(lambda: not watch.settled([ep], running_for_s=0.5)), "stopped again: held again"
     proc.kill()
     proc.wait()
-    assert _until(lambda: watch.gone([ep])), "released once it is gone"
+    assert _until(lambda: watch.settled([ep], running_for_s=0.5)), "released once it is gone"
 
 
-def test_writers_gone_needs_every_rank_gone(stopped_listener, monkeypatch):
+def test_writers_gone_needs_every_rank_settled(listener, monkeypatch):
     """The seam reads a receiver's two attributes (stand-in: the CommonKVReceiver itself
     needs a whole KV manager; the e2e fault matrix runs the real one)."""
     monkeypatch.setattr(release_guard, "_watch", PeerWatch(interval_s=0.05, grace_s=0.2))
-    (ip, port), _ = stopped_listener
+    monkeypatch.setattr(release_guard, "_release_timeout_s", lambda: 0.5)
+    (ip, port), proc = listener()
+    proc.send_signal(signal.SIGSTOP)
     dead_ip, dead_port = _closed_port()
     both = SimpleNamespace(bootstrap_room=7, bootstrap_infos=[{"rank_ip": ip, "rank_port": port},
                                                               {"rank_ip": dead_ip, "rank_port": dead_port}])
     dead = SimpleNamespace(bootstrap_room=8, bootstrap_infos=[{"rank_ip": dead_ip, "rank_port": dead_port}])
     assert release_guard.writers_gone(SimpleNamespace(bootstrap_room=9, bootstrap_infos=None)), "no rank got pages"
     assert _until(lambda: release_guard.writers_gone(dead))
-    assert not _until(lambda: release_guard.writers_gone(both), timeout_s=1.0)
+    assert not _until(lambda: release_guard.writers_gone(both), timeout_s=1.5)

@@ -2,14 +2,22 @@
 
 Decode holds a failed request's pages until every prefill rank acks that its
 writes drained, or until SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT
-passes; upstream then releases anyway. A timeout proves nothing about a prefill
-that is alive but stalled (stopped, swapping, a hung NIC): it writes into the
-pages when it resumes, after decode gave them to another request. So past the
-timeout a hold ends only once every rank that holds the room's page indices is
-gone: its rank endpoint (the ZMQ socket its own process binds) refuses TCP
-connections for ``GONE_GRACE_S``, time enough for what a dead sender already put
-on the wire to be applied. A rank that accepts, or does not answer (a partition),
-keeps the hold: the pages stay out of use, logged, until it acks or is gone.
+passes; upstream then releases anyway. The timeout is a proof only for a write
+already submitted (H6 bounds one call well under it; 0.5.23 withholds the ack
+of a failed send and leans on exactly that). It proves nothing about a prefill
+that is stalled (stopped, frozen, swapping): that one submits its write when it
+resumes, into pages another request owns by then.
+
+So past the timeout a hold ends only once every rank that got the room's page
+indices is, at its rank endpoint (the ZMQ socket bound by the same process as
+its transfer worker):
+- gone: it refuses TCP connections for ``GONE_GRACE_S`` (what a dead sender
+  already put on the wire has been applied), or
+- running: its ZMQ I/O thread has greeted every probe for a full release
+  timeout, so any write it had pending was submitted and, bounded by H6, done.
+A stalled process still accepts (the kernel completes the handshake) but sends
+no greeting; an unreachable one neither: both keep the hold, logged once per
+room, until the rank acks or one of the above holds.
 
 Probes run on one daemon thread, never on the scheduler's: the seam reads the
 last verdict.
@@ -18,54 +26,68 @@ last verdict.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .transfer_bounds import release_timeout_s
 
 PROBE_INTERVAL_S = 0.25
 PROBE_TIMEOUT_S = 1.0
 GONE_GRACE_S = 1.0
+ZMTP_SIGNATURE_START = 0xFF  # the first byte every ZMQ peer sends on a new connection
 
 Endpoint = tuple[str, int]
+GONE, RUNNING, SILENT = "gone", "running", "silent"
 
 log = logging.getLogger("sglang_hardened")
 
 
-def refuses(endpoint: Endpoint, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """True only when the endpoint actively refuses a TCP connection (no process
-    listens there); accepting, timing out or an unreachable route say nothing."""
+def probe(endpoint: Endpoint, timeout_s: float = PROBE_TIMEOUT_S) -> str:
+    """GONE if the endpoint refuses a TCP connection, RUNNING if a ZMQ peer greets it,
+    SILENT otherwise (accepted without a greeting, timed out, unreachable)."""
     try:
-        socket.create_connection(endpoint, timeout=timeout_s).close()
+        with socket.create_connection(endpoint, timeout=timeout_s) as conn:
+            return RUNNING if conn.recv(1)[:1] == bytes([ZMTP_SIGNATURE_START]) else SILENT
     except ConnectionRefusedError:
-        return True
+        return GONE
     except OSError:
-        return False
-    return False
+        return SILENT
+
+
+@dataclass
+class _Seen:
+    state: str = SILENT
+    since: float = 0.0  # when the endpoint entered ``state``
+    asked: float = 0.0  # when a hold last asked about it
 
 
 class PeerWatch:
-    """Probes the endpoints asked about in the background; says which have been gone
-    long enough. An endpoint nobody asked about for ``idle_s`` is no longer probed."""
+    """Probes the endpoints asked about in the background; an endpoint nobody asked
+    about for ``idle_s`` is no longer probed."""
 
     def __init__(self, interval_s: float = PROBE_INTERVAL_S, grace_s: float = GONE_GRACE_S,
                  idle_s: float = 10.0) -> None:
         self.interval_s, self.grace_s, self.idle_s = interval_s, grace_s, idle_s
-        self._gone_since: dict[Endpoint, float | None] = {}
-        self._asked: dict[Endpoint, float] = {}
+        self._seen: dict[Endpoint, _Seen] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def gone(self, endpoints: Iterable[Endpoint]) -> bool:
-        """Whether every endpoint has refused connections for the grace period (one
-        not probed yet is not gone)."""
+    def settled(self, endpoints: Iterable[Endpoint], running_for_s: float) -> bool:
+        """Whether every endpoint is gone (for the grace period) or running (for
+        ``running_for_s``); one not probed yet is neither."""
         now = time.monotonic()
         verdict = True
         with self._lock:
             for ep in endpoints:
-                self._asked[ep] = now
-                since = self._gone_since.setdefault(ep, None)
-                verdict = verdict and since is not None and now - since >= self.grace_s
+                seen = self._seen.setdefault(ep, _Seen(since=now))
+                seen.asked = now
+                need = {GONE: self.grace_s, RUNNING: running_for_s}.get(seen.state)
+                verdict = verdict and need is not None and now - seen.since >= need
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="sglang-hardened-peer-watch", daemon=True)
                 self._thread.start()
@@ -74,15 +96,16 @@ class PeerWatch:
     def _run(self) -> None:
         while True:
             with self._lock:
-                stale = [ep for ep, t in self._asked.items() if time.monotonic() - t > self.idle_s]
-                for ep in stale:
-                    del self._asked[ep], self._gone_since[ep]
-                watched = list(self._gone_since)
+                now = time.monotonic()
+                for ep in [ep for ep, seen in self._seen.items() if now - seen.asked > self.idle_s]:
+                    del self._seen[ep]
+                watched = list(self._seen)
             for ep in watched:
-                refused = refuses(ep)
+                state = probe(ep)
                 with self._lock:
-                    if ep in self._gone_since:
-                        self._gone_since[ep] = (self._gone_since[ep] or time.monotonic()) if refused else None
+                    seen = self._seen.get(ep)
+                    if seen is not None and seen.state != state:
+                        seen.state, seen.since = state, time.monotonic()
             time.sleep(self.interval_s)
 
 
@@ -90,21 +113,29 @@ _watch = PeerWatch()
 _held: set[int] = set()  # rooms reported held past their timeout
 
 
+@lru_cache(maxsize=1)
+def _release_timeout_s() -> float:
+    return release_timeout_s(os.environ)
+
+
 def writers_gone(receiver) -> bool:
     """Seam, decode's deferred release once its timeout passed: may the room's pages go back?
 
     True when no prefill rank got the room's page indices, or every one that did
-    is gone; otherwise the hold stays (logged once per room).
+    is gone or has been running (not stalled) for a release timeout; otherwise the
+    hold stays (logged once per room).
     """
     endpoints = [(str(i["rank_ip"]), int(i["rank_port"])) for i in (getattr(receiver, "bootstrap_infos", None) or ())]
     room, where = receiver.bootstrap_room, " ".join(f"{h}:{p}" for h, p in endpoints)
-    if _watch.gone(endpoints):
+    if _watch.settled(endpoints, running_for_s=_release_timeout_s()):
         if room in _held:
             _held.discard(room)
-            log.warning("sglang-hardened H5: room %s: prefill %s is gone; its held KV pages go back", room, where)
+            log.warning("sglang-hardened H5: room %s: prefill %s is gone or running again; its held KV pages go back",
+                        room, where)
         return True
     if room not in _held:
         _held.add(room)
-        log.warning("sglang-hardened H5: room %s: no drain ack by the release timeout; its KV pages stay held "
-                    "until prefill %s acks or is gone (a stalled prefill still writes when it resumes)", room, where)
+        log.warning("sglang-hardened H5: room %s: no drain ack by the release timeout; its KV pages stay held until "
+                    "prefill %s acks, is gone, or has run for another timeout (a stalled prefill still writes when "
+                    "it resumes)", room, where)
     return False

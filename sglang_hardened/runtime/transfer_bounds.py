@@ -68,12 +68,19 @@ def split(srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int], boun
         yield batch
 
 
+def release_timeout_s(environ: Mapping[str, str]) -> float:
+    """Decode's deferred-release timeout in this environment (upstream's default unless set)."""
+    from ..policy import load_limits
+
+    return float(environ.get(RELEASE_TIMEOUT_ENV, load_limits("H6")["release_timeout_s"]))
+
+
 def bounds_from(environ: Mapping[str, str]) -> Bounds:
     """The bounds for a process with this environment: the policy's numbers, env overriding."""
     from ..policy import load_limits
 
     limits = load_limits("H6")
-    timeout_s = float(environ.get(RELEASE_TIMEOUT_ENV, limits["release_timeout_s"]))
+    timeout_s = release_timeout_s(environ)
     link_rate = float(environ.get(LINK_RATE_ENV, limits["link_rate_bytes_per_s"]))
     return Bounds(max_entries=int(environ.get(MAX_ENTRIES_ENV, limits["max_entries_per_call"])),
                   max_bytes=int(timeout_s * limits["timeout_fraction"] * link_rate))
