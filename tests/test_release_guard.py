@@ -97,7 +97,7 @@ def test_a_stopped_prefill_holds_until_it_runs_again_or_dies(listener):
     assert _until(lambda: watch.settled([ep], running_for_s=0.5)), "released once it is gone"
 
 
-def test_writers_gone_needs_every_rank_settled(listener, monkeypatch):
+def test_writers_settled_needs_every_rank_settled(listener, monkeypatch):
     """The seam reads a receiver's two attributes (stand-in: the CommonKVReceiver itself
     needs a whole KV manager; the e2e fault matrix runs the real one)."""
     monkeypatch.setattr(release_guard, "_watch", PeerWatch(interval_s=0.05, grace_s=0.2))
@@ -108,6 +108,6 @@ def test_writers_gone_needs_every_rank_settled(listener, monkeypatch):
     both = SimpleNamespace(bootstrap_room=7, bootstrap_infos=[{"rank_ip": ip, "rank_port": port},
                                                               {"rank_ip": dead_ip, "rank_port": dead_port}])
     dead = SimpleNamespace(bootstrap_room=8, bootstrap_infos=[{"rank_ip": dead_ip, "rank_port": dead_port}])
-    assert release_guard.writers_gone(SimpleNamespace(bootstrap_room=9, bootstrap_infos=None)), "no rank got pages"
-    assert _until(lambda: release_guard.writers_gone(dead))
-    assert not _until(lambda: release_guard.writers_gone(both), timeout_s=1.5)
+    assert release_guard.writers_settled(SimpleNamespace(bootstrap_room=9, bootstrap_infos=None)), "no rank got pages"
+    assert _until(lambda: release_guard.writers_settled(dead))
+    assert not _until(lambda: release_guard.writers_settled(both), timeout_s=1.5)

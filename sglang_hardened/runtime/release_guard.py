@@ -118,7 +118,7 @@ def _release_timeout_s() -> float:
     return release_timeout_s(os.environ)
 
 
-def writers_gone(receiver) -> bool:
+def writers_settled(receiver) -> bool:
     """Seam, decode's deferred release once its timeout passed: may the room's pages go back?
 
     True when no prefill rank got the room's page indices, or every one that did

@@ -27,15 +27,12 @@ class InFlight:
     sent_at: float
     conns: dict[str, http.client.HTTPConnection]
     answers: dict[str, Answer] = field(default_factory=dict)
-    _readers: list[threading.Thread] = field(default_factory=list)
 
     def read_answers(self, timeout_s: float) -> None:
         """Read both roles' answers in the background (each socket waits ``timeout_s``)."""
         for role, conn in self.conns.items():
             conn.sock.settimeout(timeout_s)
-            t = threading.Thread(target=self._read, args=(role, conn), daemon=True)
-            t.start()
-            self._readers.append(t)
+            threading.Thread(target=self._read, args=(role, conn), daemon=True).start()
 
     def _read(self, role: str, conn: http.client.HTTPConnection) -> None:
         try:

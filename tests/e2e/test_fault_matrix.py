@@ -74,8 +74,9 @@ class FaultCluster:
         if not (self.hardened or KILLS_ON_UPSTREAM):
             pytest.skip("upstream handles a killed peer safely as well; the full matrix runs it")
 
-    def signal_prefill(self, sig: int) -> float:
-        os.killpg(self.cluster.procs["prefill"].pid, sig)
+    def signal(self, role: str, sig: int) -> float:
+        """Send ``sig`` to every process of ``role``; when it was sent."""
+        os.killpg(self.cluster.procs[role].pid, sig)
         return time.monotonic()
 
 
@@ -95,21 +96,26 @@ def fc(request, tmp_path_factory):
     cluster.stop()
 
 
-def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = None, role: str = "decode") -> None:
+def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = None,
+            role: str = "decode") -> float | None:
     """The client's wait goes into the run's table; one line per fault and build says how
-    long decode held the pages after the write returned (the drain ack), or how early it freed them."""
+    long decode held the pages after the write returned (the drain ack), or how early it
+    freed them. Returns the hold in seconds when no page was freed under a live write."""
     ans = req.answer(role)
     p = fc.cluster.params
     TIMINGS.append((f"fault: {fault} ({role} answer)", p.base, p.backend, "hardened" if fc.hardened else "upstream",
                     ans.status or 0, ans.seconds))
+    held = None
     if unsafe is None:  # a killed peer: no write returns
         pages = "the writer died"
     elif unsafe:
         pages = (f"{len(unsafe)} pages freed up to {max(u.write_end - u.freed_at for u in unsafe):.1f} s before the "
                  "write into them returned")
     else:
-        pages = f"pages freed {Ledger(fc.ledger_dir).held_after_write_s(req.room):.3f} s after the write returned"
+        held = Ledger(fc.ledger_dir).held_after_write_s(req.room)
+        pages = f"pages freed {held:.3f} s after the write returned"
     print(f"\n{fault} {fc.name}: {role} answered {ans.status} after {ans.seconds:.1f} s; {pages}")
+    return held
 
 
 def test_decode_aborts_mid_transfer(fc):
@@ -122,10 +128,10 @@ def test_decode_aborts_mid_transfer(fc):
     wait_for(fc.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
     assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
     unsafe = fc.unsafe(req.room)
-    _report(fc, "decode abort", req, unsafe)
+    held = _report(fc, "decode abort", req, unsafe)
     if fc.hardened or Version(fc.env.base) >= Version("0.5.21"):
         assert not unsafe, "\n".join(map(str, unsafe[:5]))
-        assert Ledger(fc.ledger_dir).held_after_write_s(req.room) < RELEASE_TIMEOUT_S / 2, "the drain ack was lost"
+        assert held < RELEASE_TIMEOUT_S / 2, "the drain ack was lost"
     else:
         assert unsafe, "upstream 0.5.19-0.5.20 kept every page until the write returned"
     assert req.answer("decode").status != 200 or '"abort"' in req.answer("decode").body
@@ -137,20 +143,20 @@ def test_prefill_stopped_past_the_release_timeout(fc):
     frees the pages first (0.5.19-0.5.20 at the failure, 0.5.21+ at the timeout)."""
     req = fc.catch_mid_transfer()
     req.read_answers(120)
-    fc.signal_prefill(signal.SIGSTOP)
+    fc.signal("prefill", signal.SIGSTOP)
     try:
         ans = req.answer("decode", timeout_s=LOST_PEER_S + 10)
         time.sleep(RELEASE_TIMEOUT_S + 4)
     finally:
-        fc.signal_prefill(signal.SIGCONT)
+        fc.signal("prefill", signal.SIGCONT)
     assert ans.status == 500 and ans.seconds < LOST_PEER_S, ans
     wait_for(fc.ledger_dir, "end", timeout_s=30, after=req.sent_at)
     assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
     unsafe = fc.unsafe(req.room)
-    _report(fc, "prefill stopped", req, unsafe)
+    held = _report(fc, "prefill stopped", req, unsafe)
     if fc.hardened:
         assert not unsafe, "\n".join(map(str, unsafe[:5]))
-        assert Ledger(fc.ledger_dir).held_after_write_s(req.room) < RELEASE_TIMEOUT_S / 2, "not freed on the ack"
+        assert held < RELEASE_TIMEOUT_S / 2, "not freed on the ack"
     else:
         assert unsafe and all(u.write_end - u.freed_at > RELEASE_TIMEOUT_S / 2 for u in unsafe), unsafe[:3]
 
@@ -201,7 +207,7 @@ def test_decode_killed_mid_transfer(fc):
     fc.kill_tests_apply()
     req = fc.catch_mid_transfer()
     req.read_answers(120)
-    os.killpg(fc.cluster.procs["decode"].pid, signal.SIGKILL)
+    fc.signal("decode", signal.SIGKILL)
     ans = req.answer("prefill", timeout_s=LOST_PEER_S + SLOW_S + 10)
     _report(fc, "decode killed", req, role="prefill")
     fc.cluster.restart("decode", fc.env)
@@ -215,7 +221,7 @@ def test_prefill_killed_mid_transfer(fc):
     fc.kill_tests_apply()
     req = fc.catch_mid_transfer()
     req.read_answers(120)
-    killed_at = fc.signal_prefill(signal.SIGKILL)
+    killed_at = fc.signal("prefill", signal.SIGKILL)
     ans = req.answer("decode", timeout_s=LOST_PEER_S + 10)
     assert ans.status == 500 and ans.seconds < LOST_PEER_S, ans
     fc.cluster.restart("prefill", fc.env)
