@@ -7,6 +7,9 @@ Real Mooncake over TCP (tests/e2e/test_h6_mooncake_tcp.py) and real servers
 from __future__ import annotations
 
 import random
+import threading
+import time
+from collections import Counter
 
 import pytest
 
@@ -94,3 +97,51 @@ def test_seam_sends_each_batch_and_stops_at_the_first_failure(monkeypatch):
     assert calls == [("peer", [1, 2]), ("peer", [3, 4])]
     calls.clear()
     assert batch_transfer_sync(lambda *a: calls.append(a) or 0, "peer", [], [], []) == 0 and calls == []
+
+
+def _layers_at_once(monkeypatch, bounds: Bounds, peers: list[str], lengths: list[int]) -> dict[str, int]:
+    """Each peer's layer sent on its own thread, as the per-layer path does; the peaks of
+    bytes in flight, entries in flight to one peer, and peers written to at once."""
+    monkeypatch.setattr(transfer_bounds, "process_bounds", lambda: bounds)
+    monkeypatch.setattr(transfer_bounds, "_in_flight", transfer_bounds.InFlight())
+    lock = threading.Lock()
+    now_bytes, now_entries, written = 0, Counter(), Counter()
+    peaks = {"bytes": 0, "entries": 0, "peers": 0}
+
+    def write(peer, srcs, dsts, batch_lengths):
+        nonlocal now_bytes
+        with lock:
+            now_bytes += sum(batch_lengths)
+            now_entries[peer] += len(srcs)
+            peaks.update(bytes=max(peaks["bytes"], now_bytes), entries=max(peaks["entries"], now_entries[peer]),
+                         peers=max(peaks["peers"], sum(1 for n in now_entries.values() if n)))
+        time.sleep(0.002)
+        with lock:
+            now_bytes -= sum(batch_lengths)
+            now_entries[peer] -= len(srcs)
+            written[peer] += sum(batch_lengths)
+        return 0
+
+    threads = [threading.Thread(target=batch_transfer_sync, args=(write, peer, list(range(len(lengths))),
+                                                                  list(range(len(lengths))), lengths))
+               for peer in peers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert written == Counter({peer: peers.count(peer) * sum(lengths) for peer in peers}), "every byte written once"
+    return peaks
+
+
+def test_concurrent_calls_share_the_byte_bound(monkeypatch):
+    """Eight layers to eight peers at once (calls of one entry, 1-3 bytes, so several overlap)
+    carry no more bytes together than one call may."""
+    peaks = _layers_at_once(monkeypatch, Bounds(1, 10), [f"peer{i}" for i in range(8)], [1, 2, 3] * 4)
+    assert 3 < peaks["bytes"] <= 10, peaks
+
+
+def test_concurrent_calls_to_one_peer_share_the_entry_bound(monkeypatch):
+    """Mooncake TCP queues a peer's entries: layers to one peer stay under one call's entries
+    together, while calls to another peer still overlap them."""
+    peaks = _layers_at_once(monkeypatch, Bounds(4, 1 << 20), ["peer0", "peer1"] * 4, [1] * 12)
+    assert peaks["entries"] == 4 and peaks["peers"] == 2, peaks

@@ -10,6 +10,12 @@ call to that peer, whatever the bytes: one call carries at most
 ``max_entries_per_call`` entries. A larger transfer becomes several calls, in
 order, stopping at the first failure (as upstream's own index split does).
 
+Calls made at the same time share the link and the peer's queue (the
+per-layer path sends every layer on its own thread), so the bounds hold for
+them jointly: a call starts only once the bytes of every call in flight in
+the process, and the entries of every call in flight to its peer, leave room
+for it (``InFlight``).
+
 Defaults live in the policy file's ``limits: H6``; the env vars below override
 them (``sglang-hardened launch`` sets them from the same numbers).
 """
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -75,6 +83,12 @@ def release_timeout_s(environ: Mapping[str, str]) -> float:
     return float(environ.get(RELEASE_TIMEOUT_ENV, load_limits("H6")["release_timeout_s"]))
 
 
+@lru_cache(maxsize=1)
+def process_release_timeout_s() -> float:
+    """``release_timeout_s`` of this process's environment, read once: seams ask on every poll."""
+    return release_timeout_s(os.environ)
+
+
 def bounds_from(environ: Mapping[str, str]) -> Bounds:
     """The bounds for a process with this environment: the policy's numbers, env overriding."""
     from ..policy import load_limits
@@ -95,12 +109,48 @@ def process_bounds() -> Bounds:
     return bounds
 
 
+class InFlight:
+    """What the calls under way carry: at most ``max_bytes`` in the process and
+    ``max_entries`` to one peer, together. A batch within the bounds waits for room
+    (a call in flight ends by itself: Mooncake times it out), then holds it until its
+    call returns."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.entries: Counter[str] = Counter()
+        self._changed = threading.Condition()
+
+    def _fits(self, peer: str, entries: int, nbytes: int, bounds: Bounds) -> bool:
+        return self.bytes + nbytes <= bounds.max_bytes and self.entries[peer] + entries <= bounds.max_entries
+
+    def call(self, write: Write, peer: str, batch: Batch, bounds: Bounds) -> int:
+        entries, nbytes = len(batch[0]), sum(batch[2])
+        with self._changed:
+            self._changed.wait_for(lambda: self._fits(peer, entries, nbytes, bounds))
+            self.bytes += nbytes
+            self.entries[peer] += entries
+        try:
+            return write(peer, *batch)
+        finally:
+            with self._changed:
+                self.bytes -= nbytes
+                self.entries[peer] -= entries
+                if not self.entries[peer]:
+                    del self.entries[peer]
+                self._changed.notify_all()
+
+
+_in_flight = InFlight()
+
+
 def batch_transfer_sync(write: Write, session_id: str, srcs: list[int], dsts: list[int],
                         lengths: list[int]) -> int:
-    """Seam for the engine's synchronous batch write: one bounded call per batch; the first
-    non-zero return, after which nothing more is sent."""
-    for batch in split(srcs, dsts, lengths, process_bounds()):
-        ret = write(session_id, *batch)
+    """Seam for the engine's synchronous batch write: one bounded call per batch, within
+    the room calls on other threads leave; the first non-zero return, after which nothing
+    more is sent."""
+    bounds = process_bounds()
+    for batch in split(srcs, dsts, lengths, bounds):
+        ret = _in_flight.call(write, session_id, batch, bounds)
         if ret != 0:
             return ret
     return 0
