@@ -24,6 +24,8 @@ H4 = "0007-h4-end-request-on-decode-when-prefill-ends-it.patch"
 H5 = "0008-h5-backport-deferred-release-default-on.patch"
 # H5's own seam: past the release timeout, hold the pages while prefill may still write.
 H5G = "0012-h5-hold-pages-while-prefill-may-write.patch"
+# H5 on prefill: a failed request keeps its source pages while the transfer reads them.
+H5S = "0013-h5-hold-prefill-pages-while-sent.patch"
 H8 = "0010-h8-page-ownership-tags.patch"
 H8N = "0011-h8-page-tags-nixl.patch"
 H6B = "0020-h6-backport-mooncake-transfer-batch-indices.patch"
@@ -51,6 +53,7 @@ H1_0520_ONLY = "+        self._release_aborted_request(req)"
 # (generation numbers), so a human confirms it is upstream there. H5's guard seam sits in
 # the deadline check, beside lines the backport and each release touch (3-way merges);
 # 0.5.22 moved its import's neighbours and 0.5.23 rewrote the check itself: a human.
+# H5's prefill seam only moves until 0.5.22, whose new import beside its own needs a human.
 # The probe default's line only moves until 0.5.23 ships it.
 @pytest.mark.parametrize("target, verdict, h1, h2, h5, h5g", [
     ("0.5.20", OFFSET, MERGED, MERGED, MERGED, MERGED), ("0.5.21", MERGED, UPSTREAM, MERGED, UPSTREAM, MERGED),
@@ -63,7 +66,7 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, tar
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
-        H5G: h5g, H6B: UPSTREAM, H6: OFFSET, H6P: UPSTREAM if target == "0.5.23" else OFFSET}
+        H5G: h5g, H5S: OFFSET if target in ("0.5.20", "0.5.21") else CONFLICT, H6B: UPSTREAM, H6: OFFSET, H6P: UPSTREAM if target == "0.5.23" else OFFSET}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -94,13 +97,13 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy, drop_i
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
-        H5G: MERGED, H6: APPLIES, H6P: OFFSET}
+        H5G: MERGED, H5S: OFFSET, H6: APPLIES, H6P: OFFSET}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
     assert f"# dropped {H5}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / H1).exists() and not (written / H5).exists()
-    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H5G, H6, H6P]
+    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P]
 
 
 def test_h8_needs_a_human_where_upstream_refactored_the_receivers(tree_copy):
@@ -126,7 +129,7 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert not (tree_copy / "0.5.23").exists()
     assert (tree_copy / "upstream.lock").read_text() == lock_before
     rejected = sorted(rejects.iterdir())
-    assert {r.name.split(".", 1)[0] for r in rejected} == {p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G)}
+    assert {r.name.split(".", 1)[0] for r in rejected} == {p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S)}
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 

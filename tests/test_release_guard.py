@@ -101,7 +101,7 @@ def test_writers_settled_needs_every_rank_settled(listener, monkeypatch):
     """The seam reads a receiver's two attributes (stand-in: the CommonKVReceiver itself
     needs a whole KV manager; the e2e fault matrix runs the real one)."""
     monkeypatch.setattr(release_guard, "_watch", PeerWatch(interval_s=0.05, grace_s=0.2))
-    monkeypatch.setattr(release_guard, "_release_timeout_s", lambda: 0.5)
+    monkeypatch.setattr(release_guard, "process_release_timeout_s", lambda: 0.5)
     (ip, port), proc = listener()
     proc.send_signal(signal.SIGSTOP)
     dead_ip, dead_port = _closed_port()

@@ -26,15 +26,13 @@ last verdict.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import lru_cache
 
-from .transfer_bounds import release_timeout_s
+from .transfer_bounds import process_release_timeout_s
 
 PROBE_INTERVAL_S = 0.25
 PROBE_TIMEOUT_S = 1.0
@@ -113,11 +111,6 @@ _watch = PeerWatch()
 _held: set[int] = set()  # rooms reported held past their timeout
 
 
-@lru_cache(maxsize=1)
-def _release_timeout_s() -> float:
-    return release_timeout_s(os.environ)
-
-
 def writers_settled(receiver) -> bool:
     """Seam, decode's deferred release once its timeout passed: may the room's pages go back?
 
@@ -127,7 +120,7 @@ def writers_settled(receiver) -> bool:
     """
     endpoints = [(str(i["rank_ip"]), int(i["rank_port"])) for i in (getattr(receiver, "bootstrap_infos", None) or ())]
     room, where = receiver.bootstrap_room, " ".join(f"{h}:{p}" for h, p in endpoints)
-    if _watch.settled(endpoints, running_for_s=_release_timeout_s()):
+    if _watch.settled(endpoints, running_for_s=process_release_timeout_s()):
         if room in _held:
             _held.discard(room)
             log.warning("sglang-hardened H5: room %s: prefill %s is gone or running again; its held KV pages go back",

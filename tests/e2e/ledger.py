@@ -1,8 +1,9 @@
 """Reads the page ledger the overlay's ``sgl_ledger`` writes and judges it.
 
-The rule: a decode page exposed to a room's transfer must not go back to the
-free list before every write of that room into it has returned. A write
-that never returned may still land at any time.
+The rules: a decode page exposed to a room's transfer must not go back to the
+free list before every write of that room into it has returned (a write that
+never returned may still land at any time); and a prefill page must not go
+back to prefill's free list while a write is reading it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class Write:
     pages: tuple[int, ...]
     begin: float
     end: float  # math.inf: never returned
+    src: tuple[int, ...] = ()  # the prefill pages it reads
+    pid: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,12 @@ class Ledger:
             if e["ev"] == "begin":
                 open_[key].append(e)
             elif e["ev"] == "end" and open_[key]:
-                b = open_[key].pop(0)
-                done.append(Write(b["room"], tuple(b["pages"]), b["t"], e["t"]))
-        done += [Write(b["room"], tuple(b["pages"]), b["t"], killed_at)
-                 for begins in open_.values() for b in begins]
-        return done
+                done.append(self._write(open_[key].pop(0), e["t"]))
+        return done + [self._write(b, killed_at) for begins in open_.values() for b in begins]
+
+    @staticmethod
+    def _write(begin: dict, end: float) -> Write:
+        return Write(begin["room"], tuple(begin["pages"]), begin["t"], end, tuple(begin.get("src", ())), begin["pid"])
 
     def unsafe_frees(self, killed_at: float = math.inf) -> list[UnsafeFree]:
         """Every page freed after its exposure to a room and before that room's write into it
@@ -101,6 +105,13 @@ class Ledger:
                 if freed_at < w.end:
                     found.append(UnsafeFree(w.room, p, freed_at, w.end))
         return found
+
+    def unsafe_source_frees(self) -> list[UnsafeFree]:
+        """Every prefill page that went back to prefill's free list while a write was reading
+        it (``page`` is the prefill page)."""
+        frees = [(e["t"], e["pid"], p) for e in self.of("srcfree") for p in e["pages"]]
+        return [UnsafeFree(w.room, p, t, w.end) for w in self.writes() for t, pid, p in frees
+                if pid == w.pid and p in w.src and w.begin <= t < w.end]
 
     def held_after_write_s(self, room: int) -> float:
         """Seconds from the room's last write returning to decode freeing its pages

@@ -32,7 +32,7 @@ from tests.conftest import overlay_module
 from .conftest import TIMINGS, launch, sandbox_env
 from .inflight import InFlight, send_mid_transfer
 from .ledger import Ledger, wait_for, writer
-from .scenarios import FITTING_C, FULL_MATRIX, SAFE_PARAMS, core, observe_probes, wait_pages_idle
+from .scenarios import FITTING_C, FULL_MATRIX, SAFE_PARAMS, SLOW_PROMPT, core, observe_probes, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +42,12 @@ SLOW_S = 6.0  # the caught request's write call waits this long before it writes
 RELEASE_TIMEOUT_S = 8  # decode's deferred-release timeout here (upstream's default is 30 s)
 HEARTBEAT = ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL=2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE=2")
 PROBE_S = 2  # prefill probes a blacklisted Mooncake session this often (where the probe is on)
+# Another tenant's prompt that prefill can place only by evicting the caught request's 120
+# pages (a 1024-token pool): 940 tokens ("value", " secret", " tenant", ..., " "), sharing no
+# prefix with the others. Decode's pool holds it beside the caught request, so prefill
+# computes it while that request's write is still in flight.
+PAGE_HUNGRY = "value secret tenant " * 313
+PARAMS = dict(SAFE_PARAMS, decode_pool_tokens=2600)
 LOST_PEER_S = 20  # decode gives up on a silent prefill within 2 failed heartbeats (2 s + 3 s read timeout each)
 # Upstream handles a killed peer safely too (the kill tests pass on it): CI runs them on
 # hardened builds only, the full matrix everywhere.
@@ -67,6 +73,13 @@ class FaultCluster:
     def unsafe(self, room: int, killed_at: float = float("inf")) -> list:
         return [u for u in Ledger(self.ledger_dir).unsafe_frees(killed_at) if u.room == room]
 
+    def abort(self, role: str, rid: str) -> None:
+        """``POST /abort_request`` for ``rid`` to one role."""
+        abort = urllib.request.Request(f"{self.cluster.procs[role].url}/abort_request",
+                                       data=json.dumps({"rid": rid}).encode(),
+                                       headers={"content-type": "application/json"})
+        urllib.request.urlopen(abort, timeout=30).close()
+
     def catch_mid_transfer(self) -> InFlight:
         return send_mid_transfer(self.cluster, self.ledger_dir, uuid.uuid4().hex, self.slow_switch)
 
@@ -87,7 +100,7 @@ def fc(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ledger")
     switch, fault = folder.parent / f"{folder.name}.slow", folder.parent / f"{folder.name}.fault"
     fault.write_text("")
-    cluster = launch(env, backend=backend, **SAFE_PARAMS, extra_env=(
+    cluster = launch(env, backend=backend, **PARAMS, extra_env=(
         f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}",
         f"{writer.SLOW_SWITCH_ENV}={switch}", f"{FAULT_FILE_ENV}={fault}", *HEARTBEAT,
         f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
@@ -122,9 +135,7 @@ def test_decode_aborts_mid_transfer(fc):
     """/abort_request on decode while prefill writes: 0.5.19-0.5.20 free at once."""
     req = fc.catch_mid_transfer()
     req.read_answers(60)
-    abort = urllib.request.Request(f"{fc.cluster.decode_url}/abort_request", data=json.dumps({"rid": req.rid}).encode(),
-                                   headers={"content-type": "application/json"})
-    urllib.request.urlopen(abort, timeout=30).close()
+    fc.abort("decode", req.rid)
     wait_for(fc.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
     assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
     unsafe = fc.unsafe(req.room)
@@ -135,6 +146,40 @@ def test_decode_aborts_mid_transfer(fc):
     else:
         assert unsafe, "upstream 0.5.19-0.5.20 kept every page until the write returned"
     assert req.answer("decode").status != 200 or '"abort"' in req.answer("decode").body
+
+
+def test_prefill_aborts_mid_transfer(fc):
+    """/abort_request on prefill alone while it writes (an operator, a gateway cancelling one
+    role), then another tenant's prompt that needs the pages: upstream releases the aborted
+    request's prefill pages on the next poll, and the next request is given them (and its
+    forward overwrites them) while the write still reads them. Decode, not aborted, hears
+    of it when the write returns; upstream 0.5.19 tells it the room succeeded (it answers
+    from what the write read), 0.5.23 nothing (it waits out its waiting timeout)."""
+    clean = fc.cluster.generate(SLOW_PROMPT).output_ids
+    req = fc.catch_mid_transfer()
+    req.read_answers(120)
+    fc.abort("prefill", req.rid)
+    other = fc.cluster.generate(PAGE_HUNGRY, max_new_tokens=1, timeout=SLOW_S + 60)
+    wait_for(fc.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
+    assert other.status == 200, other
+    served = req.answer("decode", timeout_s=SLOW_S + 20)
+    if served.status is None:
+        fc.abort("decode", req.rid)  # what the client's hang-up would do, so the next case starts idle
+    assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
+    unsafe = [u for u in Ledger(fc.ledger_dir).unsafe_source_frees() if u.room == req.room]
+    assert not fc.unsafe(req.room), "decode, which was not aborted, freed a page under the write"
+    served_ids = json.loads(served.body)["output_ids"] if served.status == 200 else None
+    print(f"\nprefill abort {fc.name}: {len(unsafe)} prefill pages freed while the write read them; decode "
+          + ("gave no answer" if served.status is None else f"answered {served.status}" if served_ids is None
+             else f"served {'its own output' if served_ids == list(clean) else 'an output from another request KV'}"))
+    _report(fc, "prefill abort", req, [])
+    if fc.hardened:
+        assert not unsafe, "\n".join(map(str, unsafe[:5]))
+        assert served.status is not None, "decode was never told"
+        assert served_ids in (None, list(clean)), (served_ids, clean)
+    else:
+        assert unsafe, "upstream kept the prefill pages until the write returned"
+    assert req.answer("prefill").status != 200 or '"abort"' in req.answer("prefill").body
 
 
 def test_prefill_stopped_past_the_release_timeout(fc):

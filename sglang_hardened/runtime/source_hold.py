@@ -1,0 +1,67 @@
+"""H5 on prefill: a failed request keeps its source KV pages while its transfer still reads them.
+
+A prefill request that fails mid-send (an abort from its client, from decode
+or an operator; a failure on another rank) is seen as Failed on the inflight
+queue's next poll, and upstream releases its KV pages there and then. The
+transfer worker may still be inside a call that reads those pages (Mooncake's
+synchronous batch, NIXL's posted handles): once the pages go to the next
+request and its forward overwrites them, the call carries that request's KV
+into this room's decode pages, and a Mooncake last chunk that returns after
+the abort still reports Success to decode (a cleared room's status is taken
+anew). Upstream's worker already counts, per room, the chunks it has dequeued
+and not finished (``_staging_outstanding``, the predicate its abort ack uses),
+so the seam keeps the request in the queue while that count is positive.
+
+The hold lasts at most one deferred-release timeout: 0.5.23's NIXL worker
+leaves a chunk whose handles never settled counted for good, which would
+otherwise hold the pages forever. Past it the pages go back, logged; H6 bounds
+one Mooncake call well under that timeout, and the room has failed on decode,
+which holds its own pages by its own rules (``release_guard``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable
+
+from .transfer_bounds import process_release_timeout_s
+
+log = logging.getLogger("sglang_hardened")
+
+_EXPIRED = float("-inf")  # a hold that ran out: never held again
+_held_since: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
+
+
+def _in_flight(sender) -> int:
+    """Chunks of the sender's room the transfer worker has dequeued and not finished
+    (0 for a sender with no worker, such as a warm-up request's)."""
+    counts = getattr(getattr(sender, "kv_mgr", None), "_staging_outstanding", None)
+    return counts.get(sender.bootstrap_room, 0) if counts is not None else 0
+
+
+def still_sending(sender, clock: Callable[[], float] = time.monotonic) -> bool:
+    """Seam, prefill's inflight queue on a Failed poll: must the request keep its pages?
+
+    True while the transfer worker still reads the room's source pages, for at
+    most one release timeout from the first poll that asked.
+    """
+    if _in_flight(sender) <= 0:
+        if _held_since.pop(sender, _EXPIRED) != _EXPIRED:
+            log.info("sglang-hardened H5: room %s: the transfer stopped reading; its prefill KV pages go back",
+                     sender.bootstrap_room)
+        return False
+    now, since = clock(), _held_since.get(sender)
+    if since == _EXPIRED:
+        return False
+    if since is None:
+        since = _held_since[sender] = now
+        log.warning("sglang-hardened H5: room %s failed while the transfer still reads its prefill KV pages; "
+                    "they stay held until it returns", sender.bootstrap_room)
+    if now - since < process_release_timeout_s():
+        return True
+    log.warning("sglang-hardened H5: room %s: the transfer still reads its prefill KV pages after %.0f s (the "
+                "release timeout); they go back", sender.bootstrap_room, now - since)
+    _held_since[sender] = _EXPIRED
+    return False
