@@ -32,9 +32,6 @@ H6B = "0020-h6-backport-mooncake-transfer-batch-indices.patch"
 H6 = "0021-h6-bound-mooncake-transfer-calls.patch"
 # The backport of 0.5.23's failed-session probe default (one environ.py line).
 H6P = "0022-h6-backport-failed-session-probe-default-on.patch"
-# A deadline on NIXL handle waits: 0.5.19's handle loop became `_await_handles` in 0.5.20, so
-# 0.5.19 has its own variant (a human carries it), 0.5.20 on share one.
-H6D = "0023-h6-deadline-on-nixl-transfer-waits.patch"
 # Where 0.5.19 lacks a helper, its H1 variant uses the older call (a 3-way merge
 # carries that onto 0.5.20, whose hand-made variant uses the new helper).
 H1_0519_ONLY = "+        self.tree_cache.release_aborted_request(req.rid)"
@@ -62,11 +59,10 @@ H1_0520_ONLY = "+        self._release_aborted_request(req)"
     ("0.5.20", OFFSET, MERGED, MERGED, MERGED, MERGED), ("0.5.21", MERGED, UPSTREAM, MERGED, UPSTREAM, MERGED),
     ("0.5.22", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT),
     ("0.5.23", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT)])
-def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, drop_patches, target, verdict, h1, h2,
-                                    h5, h5g, tmp_path):
+def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, target, verdict, h1, h2, h5, h5g,
+                                    tmp_path):
     drop_base(target)
     drop_ids("0.5.19", "H8")  # per-base variants: tests below and test_h8_* say what it needs
-    drop_patches("0.5.19", H6D)  # so is the NIXL deadline (test_nixl_deadline_*)
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
@@ -82,8 +78,7 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, dro
     carried_lines = [added_lines(p.diff) for p in carried.patches]
     if target == "0.5.20":
         carried_lines[3] = [H1_0520_ONLY if line == H1_0519_ONLY else line for line in carried_lines[3]]
-    assert carried_lines == [added_lines(p.diff) for p in load_series(patches, target).patches
-                             if p.name not in (H8, H8N, H6D)]
+    assert carried_lines == [added_lines(p.diff) for p in load_series(patches, target).patches if p.name not in (H8, H8N)]
     assert load_lock(tree_copy)[target] == result.pin
     assert all(row.ok for row in verify_base(tree_copy, target))
     [wheel], _ = build([target], tmp_path / "out", patches=tree_copy)
@@ -102,13 +97,13 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy, drop_i
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
-        H5G: MERGED, H5S: OFFSET, H6: APPLIES, H6P: OFFSET, H6D: OFFSET}
+        H5G: MERGED, H5S: OFFSET, H6: APPLIES, H6P: OFFSET}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
     assert f"# dropped {H5}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / H1).exists() and not (written / H5).exists()
-    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P, H6D]
+    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P]
 
 
 def test_h8_needs_a_human_where_upstream_refactored_the_receivers(tree_copy):
@@ -124,17 +119,6 @@ def test_h8_needs_a_human_where_upstream_refactored_the_receivers(tree_copy):
     assert not result.clean
 
 
-def test_nixl_deadline_needs_a_human_from_0_5_19_and_carries_from_0_5_20(tree_copy):
-    """0.5.20 replaced 0.5.19's NIXL handle loop with `_await_handles`: the deadline's 0.5.19
-    variant conflicts there, while 0.5.22's carries onto 0.5.23 (same function)."""
-    shutil.rmtree(tree_copy / "0.5.20")
-    verdicts = {v.patch.name: v for v in rebase(tree_copy, "0.5.19", "0.5.20").verdicts}
-    assert verdicts[H6D].verdict == CONFLICT
-    assert "while handles:" in verdicts[H6D].rejects["sglang/srt/disaggregation/nixl/conn.py"]
-    shutil.rmtree(tree_copy / "0.5.23")
-    assert {v.patch.name: v.verdict for v in rebase(tree_copy, "0.5.22", "0.5.23").verdicts}[H6D] == OFFSET
-
-
 def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree_copy, tmp_path):
     shutil.rmtree(tree_copy / "0.5.23")
     lock_before = (tree_copy / "upstream.lock").read_text()
@@ -145,12 +129,11 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert not (tree_copy / "0.5.23").exists()
     assert (tree_copy / "upstream.lock").read_text() == lock_before
     rejected = sorted(rejects.iterdir())
-    assert {r.name.split(".", 1)[0] for r in rejected} == {p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S, H6D)}
+    assert {r.name.split(".", 1)[0] for r in rejected} == {p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S)}
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 
-def test_existing_series_is_not_overwritten_without_force(run_cli, tree_copy, drop_patches):
-    drop_patches("0.5.19", H6D)  # a per-base variant (test_nixl_deadline_*)
+def test_existing_series_is_not_overwritten_without_force(run_cli, tree_copy):
     before = (tree_copy / "0.5.20" / H0).read_text()
     done = run_cli("rebase", "--from", "0.5.19", "--to", "0.5.20")
     assert done.returncode == 1 and "pass --force" in done.stderr

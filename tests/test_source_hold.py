@@ -1,5 +1,5 @@
 """H5 on prefill (sglang_hardened.runtime.source_hold): a failed request keeps its source
-pages while the transfer worker still reads them, for at most one release timeout.
+pages while the transfer worker still reads them, for at most two release timeouts.
 
 The seam reads two attributes of upstream's KV sender (stand-in: a real sender needs a
 whole KV manager and transfer engine; tests/e2e/test_fault_matrix.py runs the real one).
@@ -46,7 +46,7 @@ def test_held_while_a_chunk_is_in_flight_then_released_when_it_returns(timeout_s
     clock, sender = Clock(), Sender(3, 1)
     with caplog.at_level(logging.INFO, logger="sglang_hardened"):
         assert source_hold.still_sending(sender, clock)
-        clock.now += timeout_s - 1
+        clock.now += source_hold.HOLD_TIMEOUTS * timeout_s - 1
         assert source_hold.still_sending(sender, clock)
         sender.kv_mgr._staging_outstanding[3] = 0
         assert not source_hold.still_sending(sender, clock)
@@ -56,7 +56,7 @@ def test_held_while_a_chunk_is_in_flight_then_released_when_it_returns(timeout_s
 def test_a_transfer_that_never_returns_is_released_after_the_timeout_for_good(timeout_s):
     clock, sender = Clock(), Sender(4, 1)
     assert source_hold.still_sending(sender, clock)
-    clock.now += timeout_s
+    clock.now += source_hold.HOLD_TIMEOUTS * timeout_s
     assert not source_hold.still_sending(sender, clock)
     clock.now += 1
     assert not source_hold.still_sending(sender, clock), "an expired hold does not start again"

@@ -12,11 +12,14 @@ anew). Upstream's worker already counts, per room, the chunks it has dequeued
 and not finished (``_staging_outstanding``, the predicate its abort ack uses),
 so the seam keeps the request in the queue while that count is positive.
 
-The hold lasts at most one deferred-release timeout: 0.5.23's NIXL worker
-leaves a chunk whose handles never settled counted for good, which would
-otherwise hold the pages forever. Past it the pages go back, logged; H6 bounds
-one Mooncake call well under that timeout, and the room has failed on decode,
-which holds its own pages by its own rules (``release_guard``).
+The hold lasts at most ``HOLD_TIMEOUTS`` deferred-release timeouts: long
+enough for the worker's own wait on a chunk, which H6 ends within one
+timeout of its post (Mooncake's bounded call, the NIXL deadline), to end
+after a post still queued when the room failed; bounded, because 0.5.23's
+NIXL worker leaves a chunk whose handles never settled counted for good,
+which would otherwise hold the pages forever. Past it the pages go back,
+logged; the room has failed on decode, which holds its own pages by its own
+rules (``release_guard``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .transfer_bounds import process_release_timeout_s
 
 log = logging.getLogger("sglang_hardened")
 
+HOLD_TIMEOUTS = 2
 _EXPIRED = float("-inf")  # a hold that ran out: never held again
 _held_since: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
 
@@ -45,7 +49,7 @@ def still_sending(sender, clock: Callable[[], float] = time.monotonic) -> bool:
     """Seam, prefill's inflight queue on a Failed poll: must the request keep its pages?
 
     True while the transfer worker still reads the room's source pages, for at
-    most one release timeout from the first poll that asked.
+    most ``HOLD_TIMEOUTS`` release timeouts from the first poll that asked.
     """
     if _in_flight(sender) <= 0:
         if _held_since.pop(sender, _EXPIRED) != _EXPIRED:
@@ -59,9 +63,9 @@ def still_sending(sender, clock: Callable[[], float] = time.monotonic) -> bool:
         since = _held_since[sender] = now
         log.warning("sglang-hardened H5: room %s failed while the transfer still reads its prefill KV pages; "
                     "they stay held until it returns", sender.bootstrap_room)
-    if now - since < process_release_timeout_s():
+    if now - since < HOLD_TIMEOUTS * process_release_timeout_s():
         return True
-    log.warning("sglang-hardened H5: room %s: the transfer still reads its prefill KV pages after %.0f s (the "
-                "release timeout); they go back", sender.bootstrap_room, now - since)
+    log.warning("sglang-hardened H5: room %s: the transfer still reads its prefill KV pages after %.0f s (%d release "
+                "timeouts); they go back", sender.bootstrap_room, now - since, HOLD_TIMEOUTS)
     _held_since[sender] = _EXPIRED
     return False

@@ -394,10 +394,11 @@ def _wait(cluster: Cluster, names: list[str], deadline: float, ready: Callable[[
     pending = list(names)
     while pending:
         for proc in cluster.procs.values():  # every server so far, not only those awaited
+            # a lost port race first: uvicorn may linger after it, or exit at once
+            if BIND_FAILED in cluster.log_tail(proc.name, 20):
+                raise PortRace(f"{proc.name} could not bind its port\n{cluster.log_tails()}")
             if not _alive(proc.pid):
                 raise SandboxError(f"{proc.name} exited during start-up\n{cluster.log_tails()}")
-            if BIND_FAILED in cluster.log_tail(proc.name, 20):  # uvicorn may linger after it
-                raise PortRace(f"{proc.name} could not bind its port\n{cluster.log_tails()}")
         for name in list(pending):
             if ready(cluster.procs[name].url):
                 pending.remove(name)

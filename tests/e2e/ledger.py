@@ -68,8 +68,7 @@ class Ledger:
 
     def writes(self, killed_at: float = math.inf) -> list[Write]:
         """Each begin paired with the next end of its room in its process; one that never
-        returned ends when its process says the handles it gave up on settled, else at
-        ``killed_at``, when its writer was killed (if it was)."""
+        returned ends at ``killed_at``, when its writer was killed (if it was)."""
         open_: dict[tuple[str, int], list[dict]] = defaultdict(list)
         done: list[Write] = []
         for e in self.events:
@@ -78,10 +77,7 @@ class Ledger:
                 open_[key].append(e)
             elif e["ev"] == "end" and open_[key]:
                 done.append(self._write(open_[key].pop(0), e["t"]))
-        settled = self.of("settled")
-        return done + [self._write(b, min((e["t"] for e in settled if e["pid"] == b["pid"] and e["t"] > b["t"]),
-                                          default=killed_at))
-                       for begins in open_.values() for b in begins]
+        return done + [self._write(b, killed_at) for begins in open_.values() for b in begins]
 
     @staticmethod
     def _write(begin: dict, end: float) -> Write:

@@ -15,10 +15,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_series_rebased_onto_0_5_21_passes_the_oversized_prompt_scenario(start_cluster, tree_copy, drop_base,
-                                                                           drop_ids, drop_patches):
+                                                                           drop_ids):
     drop_base("0.5.21")
     drop_ids("0.5.19", "H8")  # its seams are per-base variants (tests/test_rebase.py)
-    drop_patches("0.5.19", "0023-h6-deadline-on-nixl-transfer-waits.patch")  # so is the NIXL deadline
     with phase("rebase 0.5.19 -> 0.5.21"):
         result = rebase(tree_copy, "0.5.19", "0.5.21")
     # upstream's own changes, backported: H1's and H5's deferred release (0.5.21), H6's transfer split (0.5.20)

@@ -14,8 +14,6 @@ CLOCK_MONOTONIC (one clock for every process on the host):
   returned; a NIXL write posted / every handle of its chunk settled DONE
   (``rc`` null).
 - prefill ``srcfree`` {pages}: prefill pages went back to its free list.
-- prefill ``settled``: the hardened runtime says the handles of a NIXL write it
-  gave up on (past its deadline) have settled: the end of that write.
 
 ``tests/e2e/ledger.py`` reads the files and reports every decode page freed
 after its exposure and before a write into it for that exposure ended, and
@@ -33,7 +31,6 @@ traffic around it).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import threading
 import time
@@ -55,17 +52,6 @@ def _record(ev: str, **fields) -> None:
     line = json.dumps({"t": time.monotonic(), "ev": ev, **fields}) + "\n"
     with _lock, open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as out:
         out.write(line)
-
-
-class _RuntimeLog(logging.Handler):
-    """The hardened runtime's H6 watcher logs when a NIXL write it gave up on settled."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "given up on settled" in record.getMessage():
-            _record("settled")
-
-
-logging.getLogger("sglang_hardened").addHandler(_RuntimeLog())
 
 
 def _ints(indices) -> list[int]:
