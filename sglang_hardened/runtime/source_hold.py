@@ -12,14 +12,15 @@ anew). Upstream's worker already counts, per room, the chunks it has dequeued
 and not finished (``_staging_outstanding``, the predicate its abort ack uses),
 so the seam keeps the request in the queue while that count is positive.
 
-The hold lasts at most ``HOLD_TIMEOUTS`` deferred-release timeouts: long
-enough for the worker's own wait on a chunk, which H6 ends within one
-timeout of its post (Mooncake's bounded call, the NIXL deadline), to end
-after a post still queued when the room failed; bounded, because 0.5.23's
-NIXL worker leaves a chunk whose handles never settled counted for good,
-which would otherwise hold the pages forever. Past it the pages go back,
-logged; the room has failed on decode, which holds its own pages by its own
-rules (``release_guard``).
+The hold lasts at most ``HOLD_TIMEOUTS`` deferred-release timeouts: a
+Mooncake call ends within one timeout of its start (H6's bound, Mooncake's
+own per-call timeout), and its post may still have been queued when the room
+failed. It is bounded because 0.5.23's NIXL worker leaves a chunk whose
+handles never settled counted for good, which would otherwise hold the pages
+forever. A NIXL write still running past it (a stalled peer: NIXL waits have
+no deadline) may then read pages given to another request, into the decode
+pages of a room that failed, which decode holds by its own rules
+(``release_guard``) and never reads. Past it the pages go back, logged.
 """
 
 from __future__ import annotations
