@@ -66,7 +66,8 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, tar
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
-        H5G: h5g, H5S: OFFSET if target in ("0.5.20", "0.5.21") else CONFLICT, H6B: UPSTREAM, H6: OFFSET, H6P: UPSTREAM if target == "0.5.23" else OFFSET}
+        H5G: h5g, H5S: OFFSET if target in ("0.5.20", "0.5.21") else CONFLICT,
+        H6B: UPSTREAM, H6: OFFSET, H6P: UPSTREAM if target == "0.5.23" else OFFSET}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -129,7 +130,8 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert not (tree_copy / "0.5.23").exists()
     assert (tree_copy / "upstream.lock").read_text() == lock_before
     rejected = sorted(rejects.iterdir())
-    assert {r.name.split(".", 1)[0] for r in rejected} == {p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S)}
+    assert {r.name.split(".", 1)[0] for r in rejected} == {
+        p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S)}
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 

@@ -4,7 +4,8 @@ same bases in one run.
 
 Per fault: the client's status and how long it waited; the page ledger
 (tests/cpu_overlay/site/sgl_ledger.py, in every build) judges whether decode freed a
-page while a write into it could still land; both roles hold what they held idle once
+page while a write into it could still land (and, when prefill alone is aborted, whether
+prefill freed a page the write was still reading); both roles hold what they held idle once
 the fault resolves (no leak); the differential oracle is clean on the next requests.
 Faults run in order on one cluster per build (a killed prefill is restarted in place).
 The ledger slows the write call of the request each fault catches (and only that one), so
