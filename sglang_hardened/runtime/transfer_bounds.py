@@ -144,13 +144,15 @@ _in_flight = InFlight()
 
 
 def batch_transfer_sync(write: Write, session_id: str, srcs: list[int], dsts: list[int],
-                        lengths: list[int]) -> int:
+                        lengths: list[int], *, bounds: Bounds | None = None,
+                        in_flight: InFlight = _in_flight) -> int:
     """Seam for the engine's synchronous batch write: one bounded call per batch, within
     the room calls on other threads leave; the first non-zero return, after which nothing
-    more is sent."""
-    bounds = process_bounds()
+    more is sent. ``bounds`` and ``in_flight`` default to the process's own (a test or a
+    benchmark drives an engine pair with its own)."""
+    bounds = bounds or process_bounds()
     for batch in split(srcs, dsts, lengths, bounds):
-        ret = _in_flight.call(write, session_id, batch, bounds)
+        ret = in_flight.call(write, session_id, batch, bounds)
         if ret != 0:
             return ret
     return 0

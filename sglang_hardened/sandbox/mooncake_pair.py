@@ -4,9 +4,10 @@ H6's test and benchmark need Mooncake's own per-call behaviour (the TCP
 per-call entry limit, call times), not SGLang's, so this drives the engine
 directly: a target process registers a buffer, this process writes entries
 into it with ``batch_transfer_sync_write``, unbounded (one call) or through
-``transfer_bounds`` (bounded calls), and checks the bytes that arrived. Each
-case gets a fresh engine pair: after a rejected call Mooncake fails later
-calls to that peer. Runs inside a sandbox environment (it has Mooncake):
+``transfer_bounds``' seam (bounded calls), and checks the bytes that arrived.
+A case may write from several threads at once, as SGLang's transfer queues
+write to one decode together. Each case gets a fresh engine pair: after a
+rejected call Mooncake fails later calls to that peer. Runs inside a sandbox environment (it has Mooncake):
 ``python -m sglang_hardened.sandbox.mooncake_pair CASES_JSON``, or ``run``.
 """
 
@@ -19,6 +20,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,17 +32,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Case:
-    """One write of ``entries`` entries of ``entry_bytes`` each; ``bounds`` (max entries, max bytes)
-    sends it through transfer_bounds, None sends it as one call."""
+    """One write of ``entries`` entries of ``entry_bytes`` each, in ``threads`` equal parts written
+    at once; ``bounds`` (max entries, max bytes) sends each part through transfer_bounds (the
+    parts sharing one ``InFlight``), None sends each part as one call."""
 
     entries: int
     entry_bytes: int
     bounds: tuple[int, int] | None = None
+    threads: int = 1
 
 
 @dataclass
 class Outcome:
-    rc: int
+    rc: int  # the first part's non-zero return, else 0
     seconds: float  # the whole write, all calls
     call_seconds: list[float] = field(default_factory=list)
     call_entries: list[int] = field(default_factory=list)
@@ -71,7 +75,7 @@ def _target(size: int, conn) -> None:
 
 def run_case(case: Case) -> Outcome:
     """One case on a fresh engine pair."""
-    from ..runtime.transfer_bounds import Bounds, split
+    from ..runtime.transfer_bounds import Bounds, InFlight, batch_transfer_sync
 
     size = case.entries * case.entry_bytes
     ctx = mp.get_context("spawn")  # the child must not inherit an initialized engine
@@ -85,20 +89,34 @@ def run_case(case: Case) -> Outcome:
         buf = ctypes.create_string_buffer(payload, size)
         local = ctypes.addressof(buf)
         engine.register_memory(local, size)
-        offsets = [i * case.entry_bytes for i in range(case.entries)]
-        srcs, dsts = [local + o for o in offsets], [remote + o for o in offsets]
-        lengths = [case.entry_bytes] * case.entries
-        batches = [(srcs, dsts, lengths)] if case.bounds is None else split(srcs, dsts, lengths, Bounds(*case.bounds))
         outcome = Outcome(rc=0, seconds=0.0)
-        start = time.perf_counter()
-        for batch in batches:
+
+        def call(peer: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
             t = time.perf_counter()
-            outcome.rc = engine.batch_transfer_sync_write(f"127.0.0.1:{port}", *batch)
+            rc = engine.batch_transfer_sync_write(peer, srcs, dsts, lengths)
             outcome.call_seconds.append(time.perf_counter() - t)
-            outcome.call_entries.append(len(batch[0]))
-            if outcome.rc != 0:
-                break
+            outcome.call_entries.append(len(srcs))
+            return rc
+
+        in_flight = InFlight()
+        per_part = -(-case.entries // case.threads)
+        returns: list[int] = []
+
+        def write_part(first: int) -> None:
+            offsets = [i * case.entry_bytes for i in range(first, min(first + per_part, case.entries))]
+            part = ([local + o for o in offsets], [remote + o for o in offsets], [case.entry_bytes] * len(offsets))
+            peer = f"127.0.0.1:{port}"
+            returns.append(call(peer, *part) if case.bounds is None else
+                           batch_transfer_sync(call, peer, *part, bounds=Bounds(*case.bounds), in_flight=in_flight))
+
+        writers = [threading.Thread(target=write_part, args=(first,)) for first in range(0, case.entries, per_part)]
+        start = time.perf_counter()
+        for w in writers:
+            w.start()
+        for w in writers:
+            w.join()
         outcome.seconds = time.perf_counter() - start
+        outcome.rc = next((rc for rc in returns if rc != 0), 0)
         conn.send(size)
         outcome.arrived = outcome.rc == 0 and conn.recv() == hashlib.sha256(payload).hexdigest()
         conn.send(None)
@@ -123,6 +141,5 @@ def run(env: SandboxEnv, cases: list[Case], timeout_s: float = 600) -> tuple[lis
 
 
 if __name__ == "__main__":
-    cases = [Case(c["entries"], c["entry_bytes"], tuple(c["bounds"]) if c["bounds"] else None)
-             for c in json.loads(sys.argv[1])]
+    cases = [Case(**{**c, "bounds": tuple(c["bounds"]) if c["bounds"] else None}) for c in json.loads(sys.argv[1])]
     print(json.dumps([asdict(run_case(c)) for c in cases]))
