@@ -4,6 +4,8 @@ each hits only long transfers and only when switched on, and keeps the allocator
 
 from __future__ import annotations
 
+import json
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -71,6 +73,40 @@ def test_fail_part_way_writes_half_then_reports_failure(switch):
     switch.write_text("fail-part-way")
     assert send("s", [1, 2, 3, 4], "ptrs", [5, 6, 7, 8], "executor") == -1
     assert [(a[1], a[3]) for a in sent] == [([1, 2, 3, 4], [5, 6, 7, 8]), ([1, 2], [5, 6])]
+
+
+class NixlSender:
+    """Stand-in for NIXL's manager (no UCX here): its post returns a handle that settles on the
+    second look; tests/e2e/test_fault_matrix.py runs the fault on real NIXL."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple] = []
+        self.looks = 0
+        self.agent = SimpleNamespace(check_xfer_state=self._state)
+
+    def _state(self, handle) -> str:
+        self.looks += 1
+        return "DONE" if self.looks > 1 else "PROC"
+
+    def send_kvcache(self, peer, src, ptrs, dst, gpu_id, dst_mem_kind="VRAM"):
+        self.posted.append((src, dst, dst_mem_kind))
+        return len(self.posted)
+
+
+def test_fail_part_way_on_nixl_posts_half_lets_it_land_then_raises(switch, tmp_path, monkeypatch):
+    ledger = overlay_module("sgl_ledger")
+    monkeypatch.setitem(sys.modules, "sgl_ledger", ledger)
+    monkeypatch.setenv(ledger.DIR_ENV, str(tmp_path))
+    sender = NixlSender()
+    post = faults.failing_part_way_nixl(SimpleNamespace(room=7), sender.send_kvcache)
+    assert post("peer", [1, 2, 3, 4], "ptrs", [5, 6, 7, 8], 0, dst_mem_kind="DRAM") == 1
+    switch.write_text("fail-part-way")
+    with pytest.raises(RuntimeError, match="SANDBOX PAGE FAULT fail-part-way: room 7"):
+        post("peer", [1, 2, 3, 4], "ptrs", [5, 6, 7, 8], 0, dst_mem_kind="DRAM")
+    assert sender.posted == [([1, 2, 3, 4], [5, 6, 7, 8], "DRAM"), ([1, 2], [5, 6], "DRAM")]
+    assert sender.looks == 2, "the half write was waited for until it settled"
+    [record] = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert (record["ev"], record["room"]) == ("end", 7), "the ledger saw the half write end"
 
 
 @pytest.mark.parametrize("fault", ["page-reused-early", "stale-page-index"])

@@ -30,10 +30,13 @@ request frees exactly the pages its page table holds.
   request's own read of what earlier requests left (``SANDBOX_LEDGER_DIR`` would show
   the page freed between its exposure and the write).
 
-- ``fail-part-way`` (prefill, Mooncake transfer worker): a send writes the first
-  half of the chunk's pages, then reports failure (-1), as a link that drops
-  mid-transfer does. Not a read fault: the transfer fails, and the question is
-  what each side does with the pages (tests/e2e/test_fault_matrix.py).
+- ``fail-part-way`` (prefill, Mooncake and NIXL transfer workers): a send writes
+  the first half of the chunk's pages, then fails, as a link that drops
+  mid-transfer does: Mooncake's call returns -1; NIXL's post of the half
+  settles (the ledger records its end), then the post raises, into upstream's
+  own failure path for a batch that broke while it was built. Not a read
+  fault: the transfer fails, and the question is what each side does with the
+  pages (tests/e2e/test_fault_matrix.py).
 
 H8 refuses each read fault: the page read does not carry the request's (room, epoch).
 A dropped page's row was reset when decode allocated it and no row came; a
@@ -45,12 +48,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
 FILE_ENV = "SANDBOX_PAGE_FAULT_FILE"
 FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early", "fail-part-way")
 MIN_PAGES = 16
+SETTLE_S = 30.0  # how long fail-part-way waits for NIXL's half write to settle
 
 
 def armed(fault: str, pages: int) -> bool:
@@ -91,6 +96,24 @@ def failing_part_way(req, send):
         _hit("fail-part-way", req.room, f"{half} of {len(dst_pages)} pages written, then the call fails")
         send(session_id, prefill_pages[:half], dst_ptrs, dst_pages[:half], *args, **kwargs)
         return -1
+    return call
+
+
+def failing_part_way_nixl(req, post):
+    """Prefill's NIXL transfer worker: ``send_kvcache`` that posts half the chunk, waits for that
+    write to settle, then raises."""
+    def call(peer, src_pages, dst_ptrs, dst_pages, *args, **kwargs):
+        if not armed("fail-part-way", len(dst_pages)):
+            return post(peer, src_pages, dst_ptrs, dst_pages, *args, **kwargs)
+        half = len(dst_pages) // 2
+        handle = post(peer, src_pages[:half], dst_ptrs, dst_pages[:half], *args, **kwargs)
+        agent, deadline = post.__self__.agent, time.monotonic() + SETTLE_S
+        while (state := agent.check_xfer_state(handle)) not in ("DONE", "ERR") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if state in ("DONE", "ERR"):  # else it may still land: no end for the ledger
+            __import__("sgl_ledger").landed(req.room)
+        _hit("fail-part-way", req.room, f"{half} of {len(dst_pages)} pages written ({state}), then the post fails")
+        raise RuntimeError(f"SANDBOX PAGE FAULT fail-part-way: room {int(req.room)}: the link dropped mid-transfer")
     return call
 
 
