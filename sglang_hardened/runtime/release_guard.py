@@ -15,6 +15,10 @@ its transfer worker):
   already put on the wire has been applied), or
 - running: its ZMQ I/O thread has greeted every probe for a full release
   timeout, so any write it had pending was submitted and, bounded by H6, done.
+  That bound is Mooncake's. A NIXL write has none: one that upstream gave up
+  on (0.5.20+ stop waiting on a batch 5 s after a handle failed) can still be
+  in flight after a timeout of running, over UCX TCP into a peer that was
+  stalled (docs/fault-matrix.md, "Not covered yet").
 A stalled process still accepts (the kernel completes the handshake) but sends
 no greeting; an unreachable one neither: both keep the hold, logged once per
 room, until the rank acks or one of the above holds.
