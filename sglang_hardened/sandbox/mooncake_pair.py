@@ -5,10 +5,11 @@ per-call entry limit, call times), not SGLang's, so this drives the engine
 directly: a target process registers a buffer, this process writes entries
 into it with ``batch_transfer_sync_write``, unbounded (one call) or through
 ``transfer_bounds``' seam (bounded calls), and checks the bytes that arrived.
-A case may write from several threads at once, as SGLang's transfer queues
-write to one decode together. Each case gets a fresh engine pair: after a
-rejected call Mooncake fails later calls to that peer. Runs inside a sandbox environment (it has Mooncake):
-``python -m sglang_hardened.sandbox.mooncake_pair CASES_JSON``, or ``run``.
+A case may write from several threads at once, as SGLang's per-layer path
+writes every layer. Each case gets a fresh engine pair: after a rejected
+call Mooncake fails later calls to that peer. Runs inside a sandbox
+environment (it has Mooncake): ``python -m sglang_hardened.sandbox.mooncake_pair
+CASES_JSON``, or ``run``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Case:
 
 @dataclass
 class Outcome:
-    rc: int  # the first part's non-zero return, else 0
+    rc: int  # the first non-zero return of any part, else 0
     seconds: float  # the whole write, all calls
     call_seconds: list[float] = field(default_factory=list)
     call_entries: list[int] = field(default_factory=list)
