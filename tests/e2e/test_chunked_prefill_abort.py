@@ -1,11 +1,12 @@
 """WIP (branch wip/h5-chunked-abort, not on main): an abort on prefill during chunked prefill
 frees the request's prefill pages while an earlier chunk's write still reads them.
 
-Reproduced on 0.5.23 Mooncake, upstream and hardened alike (docs/fault-matrix.md, "Not covered
-yet"): with --disable-radix-cache, `process_pending_chunked_abort` releases every page the
-request holds at once; 0013's hold sits in the inflight queue, which the request never reaches.
-The fix (a release parked while the worker holds a chunk of the room) is not written yet; this
-test is the reproduction it must turn green on hardened builds.
+Upstream 0.5.23 (Mooncake, --disable-radix-cache): `process_pending_chunked_abort` releases
+every page the request holds at once; 0013's hold sits in the inflight queue, which the
+request never reaches. Hardened 0.5.23 (this branch's 0013): the release waits until the
+write returns (`source_hold.release_when_sent`), nothing leaks, and upstream's strict idle
+memory check does not fire. Still to do before main: the other bases, the rebase job's
+expectations for 0013, the full matrix.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from .conftest import launch, sandbox_env
 from .ledger import Ledger, wait_for, writer
-from .scenarios import SAFE_PARAMS, bootstrap_fields, post, prompt_of
+from .scenarios import SAFE_PARAMS, bootstrap_fields, post, prompt_of, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
 PAGE_HUNGRY = "value secret tenant " * 313  # 940 tokens: needs the aborted request's pages
@@ -38,6 +39,7 @@ def test_abort_during_chunked_prefill_keeps_the_pages_a_write_reads(hardened, tm
                                 f"{writer.SLOW_SWITCH_ENV}={switch}",
                                 "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=8"))
     try:
+        idle = cluster.used_tokens()
         rid = uuid.uuid4().hex
         body = {"text": LONG, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}, "rid": rid,
                 **bootstrap_fields(cluster)}
@@ -54,6 +56,8 @@ def test_abort_during_chunked_prefill_keeps_the_pages_a_write_reads(hardened, tm
         wait_for(folder, "end", timeout_s=SLOW_S + 30, after=sent)
         unsafe = [u for u in Ledger(folder).unsafe_source_frees() if u.room == room]
         print(f"\n{'hardened' if hardened else 'upstream'}: {len(unsafe)} prefill pages freed under the write")
+        assert wait_pages_idle(cluster, idle) == idle, "pages leaked"
+        assert "memory leak detected" not in cluster.log_tail("prefill", 400)
         if hardened:
             assert not unsafe, "\n".join(map(str, unsafe[:5]))
         else:
