@@ -1,12 +1,13 @@
-"""WIP (branch wip/h5-chunked-abort, not on main): an abort on prefill during chunked prefill
-frees the request's prefill pages while an earlier chunk's write still reads them.
+"""H5 on prefill: an abort during chunked prefill must not free the pages an earlier chunk's
+write still reads.
 
 Upstream 0.5.23 (Mooncake, --disable-radix-cache): `process_pending_chunked_abort` releases
-every page the request holds at once; 0013's hold sits in the inflight queue, which the
-request never reaches. Hardened 0.5.23 (this branch's 0013): the release waits until the
-write returns (`source_hold.release_when_sent`), nothing leaks, and upstream's strict idle
-memory check does not fire. Still to do before main: the other bases, the rebase job's
-expectations for 0013, the full matrix.
+every page the request holds at once, and the next tenant's prompt is given them while the
+write reads them; 0013's hold sits in the inflight queue, which the request never reaches.
+Hardened 0.5.23: the release waits until the write returns (`source_hold.release_when_sent`),
+nothing leaks, and upstream's strict idle memory check does not fire. 0.5.19-0.5.22 do not
+have these seams yet (docs/fault-matrix.md). With the radix cache on (the default) the
+written chunk's pages stay in the tree after the abort, so the radix cache is off here.
 """
 from __future__ import annotations
 
