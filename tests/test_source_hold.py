@@ -60,3 +60,34 @@ def test_a_transfer_that_never_returns_is_released_after_the_timeout_for_good(ti
     assert not source_hold.still_sending(sender, clock)
     clock.now += 1
     assert not source_hold.still_sending(sender, clock), "an expired hold does not start again"
+
+
+def test_a_release_outside_the_queue_waits_for_the_transfer_and_runs_once(timeout_s):
+    """An aborted chunked request: released at once with nothing in flight; else parked (the
+    request reads as retired, the scheduler as busy) until the chunk returns."""
+    released: list[str] = []
+    source_hold.release_when_sent("idle", Sender(4, 0), lambda: released.append("idle"))
+    source_hold.release_when_sent("warm-up", None, lambda: released.append("warm-up"))
+    assert released == ["idle", "warm-up"] and not source_hold.parked()
+    clock, sender, req = Clock(), Sender(5, 1), object()
+    source_hold.release_when_sent(req, sender, lambda: released.append("req"), clock)
+    source_hold.release_when_sent(req, sender, lambda: released.append("again"), clock)  # a second retire
+    assert source_hold.parked(req) and source_hold.parked()
+    source_hold.release_parked(clock)
+    assert released == ["idle", "warm-up"], "released while the chunk still reads its pages"
+    sender.kv_mgr._staging_outstanding[5] = 0
+    source_hold.release_parked(clock)
+    source_hold.release_parked(clock)
+    assert released == ["idle", "warm-up", "req"] and not source_hold.parked()
+
+
+def test_a_parked_release_runs_when_its_hold_runs_out(timeout_s):
+    released: list[str] = []
+    clock, req = Clock(), object()
+    source_hold.release_when_sent(req, Sender(6, 1), lambda: released.append("req"), clock)
+    clock.now += source_hold.HOLD_TIMEOUTS * timeout_s - 1
+    source_hold.release_parked(clock)
+    assert not released
+    clock.now += 1
+    source_hold.release_parked(clock)
+    assert released == ["req"] and not source_hold.parked(req)

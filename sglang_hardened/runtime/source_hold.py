@@ -70,3 +70,41 @@ def still_sending(sender, clock: Callable[[], float] = time.monotonic) -> bool:
                 "timeouts); they go back", sender.bootstrap_room, now - since, HOLD_TIMEOUTS)
     _held_since[sender] = _EXPIRED
     return False
+
+
+_parked: dict[int, tuple[object, object, float, Callable[[], None]]] = {}  # id(req): req, sender, since, release
+
+
+def release_when_sent(req, sender, release: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
+    """Seam, prefill's releases of an aborted request outside the inflight queue (an abort
+    between chunks; a chunk's result that comes back aborted): ``release`` now, or, while the
+    transfer still reads the request's pages, once it stops (``release_parked``)."""
+    if id(req) in _parked:
+        return
+    if sender is None or _in_flight(sender) <= 0:
+        release()
+        return
+    _parked[id(req)] = (req, sender, clock(), release)
+    log.warning("sglang-hardened H5: room %s was aborted while the transfer still reads its prefill KV pages; "
+                "their release waits until it returns", sender.bootstrap_room)
+
+
+def parked(req: object | None = None) -> bool:
+    """Whether ``req``'s release (any release, for None) waits: such a request is retired already,
+    and a scheduler with one is not idle (its pages are neither free nor a leak)."""
+    return id(req) in _parked if req is not None else bool(_parked)
+
+
+def release_parked(clock: Callable[[], float] = time.monotonic) -> None:
+    """Seam, every prefill scheduler iteration: run the parked releases whose transfer stopped
+    reading, or whose hold ran out (``HOLD_TIMEOUTS`` release timeouts, logged)."""
+    if not _parked:
+        return
+    now = clock()
+    for key, (req, sender, since, release) in list(_parked.items()):
+        if _in_flight(sender) > 0 and now - since < HOLD_TIMEOUTS * process_release_timeout_s():
+            continue
+        del _parked[key]
+        log.info("sglang-hardened H5: room %s: its aborted request's prefill KV pages go back",
+                 sender.bootstrap_room)
+        release()
