@@ -81,7 +81,7 @@ def test_a_release_outside_the_queue_waits_for_the_transfer_and_runs_once(timeou
     assert released == ["idle", "warm-up", "req"] and not source_hold.parked()
 
 
-def test_a_parked_release_runs_when_its_hold_runs_out(timeout_s):
+def test_a_parked_release_runs_when_its_hold_runs_out(timeout_s, caplog):
     released: list[str] = []
     clock, req = Clock(), object()
     source_hold.release_when_sent(req, Sender(6, 1), lambda: released.append("req"), clock)
@@ -89,5 +89,9 @@ def test_a_parked_release_runs_when_its_hold_runs_out(timeout_s):
     source_hold.release_parked(clock)
     assert not released
     clock.now += 1
-    source_hold.release_parked(clock)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="sglang_hardened"):
+        source_hold.release_parked(clock)
     assert released == ["req"] and not source_hold.parked(req)
+    assert [r.levelno for r in caplog.records if "room 6" in r.message] == [logging.WARNING], \
+        "a release the bound forced, under a write that may still read the pages, is a warning"

@@ -11,8 +11,12 @@ the abort still reports Success to decode (a cleared room's status is taken
 anew). Upstream's worker already counts, per room, the chunks it has dequeued
 and not finished (``_staging_outstanding``, the predicate its abort ack uses),
 so the seam keeps the request in the queue while that count is positive.
+A request aborted outside that queue (between chunks of a chunked prefill; a
+chunk's result that comes back aborted) is released by other upstream code;
+there the seam parks the release until the count drops, and the inflight pass
+runs the parked releases every scheduler iteration.
 
-The hold lasts at most ``HOLD_TIMEOUTS`` deferred-release timeouts: a
+Either hold lasts at most ``HOLD_TIMEOUTS`` deferred-release timeouts: a
 Mooncake call ends within one timeout of its start (H6's bound, Mooncake's
 own per-call timeout), and its post may still have been queued when the room
 failed. It is bounded because 0.5.23's NIXL worker leaves a chunk whose
@@ -46,6 +50,17 @@ def _in_flight(sender) -> int:
     return counts.get(sender.bootstrap_room, 0) if counts is not None else 0
 
 
+def _within_hold(since: float, now: float) -> bool:
+    """Whether a hold that began at ``since`` may still last at ``now``."""
+    return now - since < HOLD_TIMEOUTS * process_release_timeout_s()
+
+
+def _ran_out(sender, held_s: float) -> None:
+    """Say, as a warning, that a hold ended on its bound: the pages may go back under a write."""
+    log.warning("sglang-hardened H5: room %s: the transfer still reads its prefill KV pages after %.0f s (%d release "
+                "timeouts); they go back", sender.bootstrap_room, held_s, HOLD_TIMEOUTS)
+
+
 def still_sending(sender, clock: Callable[[], float] = time.monotonic) -> bool:
     """Seam, prefill's inflight queue on a Failed poll: must the request keep its pages?
 
@@ -64,10 +79,9 @@ def still_sending(sender, clock: Callable[[], float] = time.monotonic) -> bool:
         since = _held_since[sender] = now
         log.warning("sglang-hardened H5: room %s failed while the transfer still reads its prefill KV pages; "
                     "they stay held until it returns", sender.bootstrap_room)
-    if now - since < HOLD_TIMEOUTS * process_release_timeout_s():
+    if _within_hold(since, now):
         return True
-    log.warning("sglang-hardened H5: room %s: the transfer still reads its prefill KV pages after %.0f s (%d release "
-                "timeouts); they go back", sender.bootstrap_room, now - since, HOLD_TIMEOUTS)
+    _ran_out(sender, now - since)
     _held_since[sender] = _EXPIRED
     return False
 
@@ -101,10 +115,13 @@ def release_parked(clock: Callable[[], float] = time.monotonic) -> None:
     if not _parked:
         return
     now = clock()
-    for key, (req, sender, since, release) in list(_parked.items()):
-        if _in_flight(sender) > 0 and now - since < HOLD_TIMEOUTS * process_release_timeout_s():
+    for key, (_, sender, since, release) in list(_parked.items()):
+        if _in_flight(sender) <= 0:
+            log.info("sglang-hardened H5: room %s: the transfer stopped reading; its aborted request's prefill KV "
+                     "pages go back", sender.bootstrap_room)
+        elif _within_hold(since, now):
             continue
+        else:
+            _ran_out(sender, now - since)
         del _parked[key]
-        log.info("sglang-hardened H5: room %s: its aborted request's prefill KV pages go back",
-                 sender.bootstrap_room)
         release()
