@@ -32,10 +32,6 @@ H6B = "0020-h6-backport-mooncake-transfer-batch-indices.patch"
 H6 = "0021-h6-bound-mooncake-transfer-calls.patch"
 # The backport of 0.5.23's failed-session probe default (one environ.py line).
 H6P = "0022-h6-backport-failed-session-probe-default-on.patch"
-# Where 0.5.19 lacks a helper, its H1 variant uses the older call (a 3-way merge
-# carries that onto 0.5.20, whose hand-made variant uses the new helper).
-H1_0519_ONLY = "+        self.tree_cache.release_aborted_request(req.rid)"
-H1_0520_ONLY = "+        self._release_aborted_request(req)"
 
 
 # Why each verdict is the fact: 0.5.20 moved the seam's lines (offset only);
@@ -53,37 +49,28 @@ H1_0520_ONLY = "+        self._release_aborted_request(req)"
 # (generation numbers), so a human confirms it is upstream there. H5's guard seam sits in
 # the deadline check, beside lines the backport and each release touch (3-way merges);
 # 0.5.22 moved its import's neighbours and 0.5.23 rewrote the check itself: a human.
-# H5's prefill seam only moves until 0.5.22, whose new import beside its own needs a human.
+# H5's prefill seam on the chunked-abort release sits below lines 0.5.20 rewrote
+# (`_release_aborted_request`): a human, who also seams the aborted release 0.5.20 added
+# (`_retire_aborted_prefill_result`), as 0.5.20's own series does: no base carries clean.
 # The probe default's line only moves until 0.5.23 ships it.
 @pytest.mark.parametrize("target, verdict, h1, h2, h5, h5g", [
     ("0.5.20", OFFSET, MERGED, MERGED, MERGED, MERGED), ("0.5.21", MERGED, UPSTREAM, MERGED, UPSTREAM, MERGED),
     ("0.5.22", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT),
     ("0.5.23", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT)])
-def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, target, verdict, h1, h2, h5, h5g,
-                                    tmp_path):
+def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, target, verdict, h1, h2, h5, h5g):
     drop_base(target)
     drop_ids("0.5.19", "H8")  # per-base variants: tests below and test_h8_* say what it needs
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
-        H5G: h5g, H5S: OFFSET if target in ("0.5.20", "0.5.21") else CONFLICT,
-        H6B: UPSTREAM, H6: OFFSET, H6P: UPSTREAM if target == "0.5.23" else OFFSET}
+        H5G: h5g, H5S: CONFLICT, H6B: UPSTREAM, H6: OFFSET, H6P: UPSTREAM if target == "0.5.23" else OFFSET}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
         assert "<<<<<<< new upstream" in merged and "hardened_identity.server_info()" in merged
-        return
-    written = write_series(tree_copy, result, force=False)
-    carried = load_series(tree_copy, target)
-    # The carried patches add what the ones hand-made for that base add.
-    carried_lines = [added_lines(p.diff) for p in carried.patches]
-    if target == "0.5.20":
-        carried_lines[3] = [H1_0520_ONLY if line == H1_0519_ONLY else line for line in carried_lines[3]]
-    assert carried_lines == [added_lines(p.diff) for p in load_series(patches, target).patches if p.name not in (H8, H8N)]
-    assert load_lock(tree_copy)[target] == result.pin
-    assert all(row.ok for row in verify_base(tree_copy, target))
-    [wheel], _ = build([target], tmp_path / "out", patches=tree_copy)
-    assert wheel.version == f"{target}+hardened.1" and (written / H0).is_file()
+    [rejected] = [v for v in result.verdicts if v.patch.name == H5S]
+    assert "hardened_source_hold.release_when_sent(" in rejected.rejects["sglang/srt/managers/scheduler.py"]
+    assert not result.clean
 
 
 def added_lines(diff: str) -> list[str]:
@@ -91,20 +78,28 @@ def added_lines(diff: str) -> list[str]:
             and line.strip("+ ")]
 
 
-def test_backport_upstream_already_has_is_dropped_and_recorded(tree_copy, drop_ids):
-    """0.5.20's H1 and H5 backports are 'already upstream' on 0.5.21: dropped and recorded."""
+def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_copy, drop_ids, tmp_path):
+    """0.5.20's H1 and H5 backports are 'already upstream' on 0.5.21: dropped and recorded; the
+    rest carries, adds what 0.5.21's own series adds, verifies and builds."""
     shutil.rmtree(tree_copy / "0.5.21")
     drop_ids("0.5.20", "H8")
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
-        H5G: MERGED, H5S: OFFSET, H6: APPLIES, H6P: OFFSET}
+        H5G: MERGED, H5S: MERGED, H6: APPLIES, H6P: OFFSET}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
     assert f"# dropped {H5}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / H1).exists() and not (written / H5).exists()
-    assert [p.name for p in load_series(tree_copy, "0.5.21").patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P]
+    carried = load_series(tree_copy, "0.5.21")
+    assert [p.name for p in carried.patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P]
+    hand_made = [p for p in load_series(patches, "0.5.21").patches if p.name not in (H8, H8N)]
+    assert [added_lines(p.diff) for p in carried.patches] == [added_lines(p.diff) for p in hand_made]
+    assert load_lock(tree_copy)["0.5.21"] == result.pin
+    assert all(row.ok for row in verify_base(tree_copy, "0.5.21"))
+    [wheel], _ = build(["0.5.21"], tmp_path / "out", patches=tree_copy)
+    assert wheel.version == "0.5.21+hardened.1" and (written / H0).is_file()
 
 
 def test_h8_needs_a_human_where_upstream_refactored_the_receivers(tree_copy):
@@ -135,10 +130,11 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 
-def test_existing_series_is_not_overwritten_without_force(run_cli, tree_copy):
-    before = (tree_copy / "0.5.20" / H0).read_text()
-    done = run_cli("rebase", "--from", "0.5.19", "--to", "0.5.20")
+def test_existing_series_is_not_overwritten_without_force(run_cli, tree_copy, drop_ids):
+    drop_ids("0.5.20", "H8")  # a clean rebase: see test_backport_upstream_already_has_is_dropped_and_recorded
+    before = (tree_copy / "0.5.21" / H0).read_text()
+    done = run_cli("rebase", "--from", "0.5.20", "--to", "0.5.21")
     assert done.returncode == 1 and "pass --force" in done.stderr
-    assert (tree_copy / "0.5.20" / H0).read_text() == before
-    forced = run_cli("rebase", "--from", "0.5.19", "--to", "0.5.20", "--force")
+    assert (tree_copy / "0.5.21" / H0).read_text() == before
+    forced = run_cli("rebase", "--from", "0.5.20", "--to", "0.5.21", "--force")
     assert forced.returncode == 0, forced.stderr
