@@ -1,13 +1,13 @@
 """H5 on prefill: an abort during chunked prefill must not free the pages an earlier chunk's
 write still reads.
 
-Upstream 0.5.23 (Mooncake, --disable-radix-cache): `process_pending_chunked_abort` releases
-every page the request holds at once, and the next tenant's prompt is given them while the
-write reads them; 0013's hold sits in the inflight queue, which the request never reaches.
-Hardened 0.5.23: the release waits until the write returns (`source_hold.release_when_sent`),
-nothing leaks, and upstream's strict idle memory check does not fire. 0.5.19-0.5.22 do not
-have these seams yet (docs/fault-matrix.md). With the radix cache on (the default) the
-written chunk's pages stay in the tree after the abort, so the radix cache is off here.
+Upstream (--disable-radix-cache): `process_pending_chunked_abort` releases every page the
+request holds at once, and the next tenant's prompt is given them while the write
+reads them; 0013's hold sits in the inflight queue, which the request never reaches.
+Hardened: the release waits until the write returns (`source_hold.release_when_sent`),
+nothing leaks, and upstream's idle memory check does not fire. With the radix cache on (the
+default) the written chunk's pages stay in the tree after the abort, so it is off here.
+CI runs the core pairs, the full matrix every base on Mooncake and NIXL (docs/fault-matrix.md).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 
 from .conftest import launch, sandbox_env
 from .ledger import Ledger, wait_for, writer
-from .scenarios import SAFE_PARAMS, bootstrap_fields, post, prompt_of, wait_pages_idle
+from .scenarios import SAFE_PARAMS, bootstrap_fields, core, post, prompt_of, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
 PAGE_HUNGRY = "value secret tenant " * 313  # 940 tokens: needs the aborted request's pages
@@ -29,11 +29,12 @@ SLOW_S = 6
 
 
 @pytest.mark.parametrize("hardened", [False, True], ids=["upstream", "hardened"])
-def test_abort_during_chunked_prefill_keeps_the_pages_a_write_reads(hardened, tmp_path):
+@pytest.mark.parametrize("base, backend", core())
+def test_abort_during_chunked_prefill_keeps_the_pages_a_write_reads(base, backend, hardened, tmp_path):
     folder = tmp_path / "ledger"
     folder.mkdir()
     switch = tmp_path / "slow"
-    cluster = launch(sandbox_env("0.5.23", hardened=hardened), backend="mooncake",
+    cluster = launch(sandbox_env(base, hardened=hardened), backend=backend,
                      **dict(SAFE_PARAMS, decode_pool_tokens=2600, chunked_prefill_size=32,
                             extra_flags=("--disable-radix-cache",)),
                      extra_env=(f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}",
@@ -56,7 +57,7 @@ def test_abort_during_chunked_prefill_keeps_the_pages_a_write_reads(hardened, tm
         assert cluster.generate(PAGE_HUNGRY, max_new_tokens=1, timeout=60).status == 200
         wait_for(folder, "end", timeout_s=SLOW_S + 30, after=sent)
         unsafe = [u for u in Ledger(folder).unsafe_source_frees() if u.room == room]
-        print(f"\n{'hardened' if hardened else 'upstream'}: {len(unsafe)} prefill pages freed under the write")
+        print(f"\n{base} {backend} {'hardened' if hardened else 'upstream'}: {len(unsafe)} prefill pages freed under the write")
         assert wait_pages_idle(cluster, idle) == idle, "pages leaked"
         assert "memory leak detected" not in cluster.log_tail("prefill", 400)
         if hardened:
