@@ -57,7 +57,8 @@ def test_abort_during_chunked_prefill_keeps_the_pages_a_write_reads(base, backen
         assert cluster.generate(PAGE_HUNGRY, max_new_tokens=1, timeout=60).status == 200
         wait_for(folder, "end", timeout_s=SLOW_S + 30, after=sent)
         unsafe = [u for u in Ledger(folder).unsafe_source_frees() if u.room == room]
-        print(f"\n{base} {backend} {'hardened' if hardened else 'upstream'}: {len(unsafe)} prefill pages freed under the write")
+        build = "hardened" if hardened else "upstream"
+        print(f"\n{base} {backend} {build}: {len(unsafe)} prefill pages freed under the write")
         assert wait_pages_idle(cluster, idle) == idle, "pages leaked"
         assert "memory leak detected" not in cluster.log_tail("prefill", 400)
         if hardened:
