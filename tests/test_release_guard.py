@@ -9,11 +9,12 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from types import SimpleNamespace
 
 import pytest
 
-from sglang_hardened.runtime import release_guard
+from sglang_hardened.runtime import nixl_drain, release_guard
 from sglang_hardened.runtime.release_guard import GONE, RUNNING, SILENT, PeerWatch, probe
 
 # A prefill rank's endpoint is a ZMQ socket, whose I/O thread greets each new connection
@@ -111,3 +112,29 @@ def test_writers_settled_needs_every_rank_settled(listener, monkeypatch):
     assert release_guard.writers_settled(SimpleNamespace(bootstrap_room=9, bootstrap_infos=None)), "no rank got pages"
     assert _until(lambda: release_guard.writers_settled(dead))
     assert not _until(lambda: release_guard.writers_settled(both), timeout_s=1.5)
+
+
+def _receiver(monkeypatch, module: str, drains: bool, room: int, endpoint: tuple[str, int]):
+    """A receiver whose backend module (stand-in: the real ones need a whole SGLang) imports
+    `nixl_drain` as 0023 makes NIXL's do, or not."""
+    backend = types.ModuleType(module)
+    if drains:
+        backend.hardened_drain = nixl_drain
+    monkeypatch.setitem(sys.modules, module, backend)
+    receiver = type("KVReceiver", (), {"__module__": module})()
+    receiver.bootstrap_room, receiver.bootstrap_infos = room, [{"rank_ip": endpoint[0], "rank_port": endpoint[1]}]
+    return receiver
+
+
+def test_a_nixl_hold_with_the_drain_ends_only_at_the_ack_or_a_gone_prefill(listener, monkeypatch):
+    """A prefill running for a release timeout proves a Mooncake write done (H6 bounds it), not
+    a NIXL one; a NIXL build whose prefill never acks such a room keeps the running rule."""
+    monkeypatch.setattr(release_guard, "_watch", PeerWatch(interval_s=0.05, grace_s=0.2))
+    monkeypatch.setattr(release_guard, "process_release_timeout_s", lambda: 0.3)
+    endpoint, _ = listener()
+    mooncake = _receiver(monkeypatch, "sgl_test.mooncake.conn", False, 1, endpoint)
+    old_nixl = _receiver(monkeypatch, "sgl_test.old_nixl.conn", False, 2, endpoint)
+    nixl = _receiver(monkeypatch, "sgl_test.nixl.conn", True, 3, endpoint)
+    assert _until(lambda: release_guard.writers_settled(mooncake))
+    assert _until(lambda: release_guard.writers_settled(old_nixl))
+    assert not _until(lambda: release_guard.writers_settled(nixl), timeout_s=1.5)

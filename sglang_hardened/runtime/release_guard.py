@@ -14,11 +14,13 @@ its transfer worker):
 - gone: it refuses TCP connections for ``GONE_GRACE_S`` (what a dead sender
   already put on the wire has been applied), or
 - running: its ZMQ I/O thread has greeted every probe for a full release
-  timeout, so any write it had pending was submitted and, bounded by H6, done.
-  That bound is Mooncake's. A NIXL write has none: one that upstream gave up
-  on (0.5.20+ stop waiting on a batch 5 s after a handle failed) can still be
+  timeout, so any write it had pending was submitted and, bounded by H6,
+  done. A NIXL write has no such bound: one prefill gave up on can still be
   in flight after a timeout of running, over UCX TCP into a peer that was
-  stalled (docs/fault-matrix.md, "Not covered yet").
+  stalled. Where the build's NIXL prefill acks a failed room only once the
+  writes it gave up on have settled (`nixl_drain`), a NIXL hold ends at that
+  ack or when prefill is gone; elsewhere it keeps this rule, as its prefill
+  may never ack.
 A stalled process still accepts (the kernel completes the handshake) but sends
 no greeting; an unreachable one neither: both keep the hold, logged once per
 room, until the rank acks or one of the above holds.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -115,16 +118,24 @@ _watch = PeerWatch()
 _held: set[int] = set()  # rooms reported held past their timeout
 
 
+def _running_proves_drained(receiver) -> bool:
+    """Whether a prefill running for a release timeout proves its writes for this receiver done:
+    not where the backend's module acks only once they settled (NIXL with `nixl_drain`)."""
+    return not hasattr(sys.modules.get(type(receiver).__module__), "hardened_drain")
+
+
 def writers_settled(receiver) -> bool:
     """Seam, decode's deferred release once its timeout passed: may the room's pages go back?
 
     True when no prefill rank got the room's page indices, or every one that did
-    is gone or has been running (not stalled) for a release timeout; otherwise the
-    hold stays (logged once per room).
+    is gone or (bar NIXL with `nixl_drain`) has been running, not stalled, for a release timeout;
+    otherwise the hold stays (logged once per room).
     """
     endpoints = [(str(i["rank_ip"]), int(i["rank_port"])) for i in (getattr(receiver, "bootstrap_infos", None) or ())]
     room, where = receiver.bootstrap_room, " ".join(f"{h}:{p}" for h, p in endpoints)
-    if _watch.settled(endpoints, running_for_s=process_release_timeout_s()):
+    bounded = _running_proves_drained(receiver)
+    running_for_s = process_release_timeout_s() if bounded else float("inf")
+    if _watch.settled(endpoints, running_for_s=running_for_s):
         if room in _held:
             _held.discard(room)
             log.warning("sglang-hardened H5: room %s: prefill %s is gone or running again; its held KV pages go back",
@@ -133,6 +144,6 @@ def writers_settled(receiver) -> bool:
     if room not in _held:
         _held.add(room)
         log.warning("sglang-hardened H5: room %s: no drain ack by the release timeout; its KV pages stay held until "
-                    "prefill %s acks, is gone, or has run for another timeout (a stalled prefill still writes when "
-                    "it resumes)", room, where)
+                    "prefill %s %s (a stalled prefill still writes when it resumes)", room, where,
+                    "acks, is gone, or has run for another timeout" if bounded else "acks or is gone")
     return False
