@@ -14,7 +14,9 @@ moved by a NIXL agent.
   - 0.5.23 (prefill reports success once every handle of the chunk is DONE): the tag handle is
     appended to the chunk's handles, so it is waited on with the KV's;
   - 0.5.19-0.5.22 (decode counts the KV write's own notification): `send_tags` waits for the
-    tag write itself before returning, so the KV (and its notification) is posted after it.
+    tag write itself before returning, so the KV (and its notification) is posted after it; a
+    wait past the release timeout fails the chunk and leaves the write to `nixl_drain`'s
+    watcher, so the room's drain ack waits for it.
   A tag thus reaches decode only for pages whose KV this chunk sends; if the KV write then fails
   the room fails, and decode releases (resets) the rows without checking them.
 
@@ -30,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from . import nixl_drain
 from .page_tags import TagBuffer
 from .page_tags_seams import before_send, carried, epoch_frame, make_tags, tags_frame
 
@@ -62,11 +65,17 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return src[starts], dst[starts], lengths
 
 
-def _settle(agent, handle) -> None:
-    """Wait until a posted write is DONE; raise on ERR (the worker then fails the room)."""
-    while (state := agent.check_xfer_state(handle)) != "DONE":
+def _settle(manager, handle, room: int) -> None:
+    """Wait until a posted write is DONE; raise on ERR (the worker then fails the room), or at the
+    release timeout (a stalled peer), leaving the write to `nixl_drain`'s watcher: the room's
+    drain ack waits for it."""
+    until = nixl_drain.deadline(manager)
+    while (state := manager.agent.check_xfer_state(handle)) != "DONE":
         if state == "ERR":
             raise RuntimeError("sglang-hardened H8: NIXL tag-row write failed")
+        if nixl_drain.passed(until):
+            nixl_drain.abandon(manager, room, [handle])
+            raise RuntimeError("sglang-hardened H8: NIXL tag-row write not settled within the release timeout")
         time.sleep(0)
 
 
@@ -86,7 +95,7 @@ def send_tags(manager, kv_chunk, req, dst_indices, handles: list[Any] | None = N
     # another stamp must land before they are stamped again (one decode rank per epoch).
     pending = getattr(kv_chunk, "hardened_tag_write", None)
     if pending is not None and pending[1] != (req.room, epoch):
-        _settle(manager.agent, pending[0])
+        _settle(manager, pending[0], req.room)
     src_ptr, _, item_len = buffer.buf_info()
     src_kind, src_dev = _mem(buffer, manager.kv_args.gpu_id)
     dst_dev = dst_info.gpu_id if src_kind == "VRAM" else 0
@@ -105,7 +114,7 @@ def send_tags(manager, kv_chunk, req, dst_indices, handles: list[Any] | None = N
     if not handle or manager.agent.transfer(handle) == "ERR":
         raise RuntimeError("sglang-hardened H8: NIXL tag-row write could not be posted")
     if handles is None:
-        _settle(manager.agent, handle)
+        _settle(manager, handle, req.room)
     else:
         handles.append(handle)
         kv_chunk.hardened_tag_write = (handle, (req.room, epoch))

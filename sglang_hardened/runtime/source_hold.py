@@ -19,12 +19,13 @@ runs the parked releases every scheduler iteration.
 Either hold lasts at most ``HOLD_TIMEOUTS`` deferred-release timeouts: a
 Mooncake call ends within one timeout of its start (H6's bound, Mooncake's
 own per-call timeout), and its post may still have been queued when the room
-failed. It is bounded because 0.5.23's NIXL worker leaves a chunk whose
-handles never settled counted for good, which would otherwise hold the pages
-forever. A NIXL write still running past it (a stalled peer: NIXL waits have
-no deadline) may then read pages given to another request, into the decode
-pages of a room that failed, which decode holds by its own rules
-(``release_guard``) and never reads. Past it the pages go back, logged.
+failed. It is bounded because a NIXL write into a stalled peer has no end
+of its own (``nixl_drain``'s watcher keeps its chunk counted until it
+settles), which would otherwise hold the pages for as long as the peer is
+stalled. Such a write may then read pages given to another request, into
+the decode pages of a room that failed, which decode holds until prefill's
+drain ack (``release_guard``) and never reads. Past it the pages go back,
+logged.
 """
 
 from __future__ import annotations
