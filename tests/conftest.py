@@ -87,6 +87,20 @@ def drop_ids(tree_copy, tmp_path):
 
 
 @pytest.fixture
+def drop_patches(tree_copy):
+    """Leave named patches out of one base's series in the tree copy (a per-base variant that
+    another base's series needs a human for)."""
+
+    def drop(base: str, *names: str) -> None:
+        series = tree_copy / base / "series"
+        series.write_text("".join(f"{line}\n" for line in series.read_text().splitlines() if line.strip() not in names))
+        for name in names:
+            (tree_copy / base / name).unlink()
+
+    return drop
+
+
+@pytest.fixture
 def drop_base(tree_copy):
     """Remove a base from the tree copy (series and lock entry), as if upstream just released it."""
 

@@ -32,6 +32,8 @@ H6B = "0020-h6-backport-mooncake-transfer-batch-indices.patch"
 H6 = "0021-h6-bound-mooncake-transfer-calls.patch"
 # The backport of 0.5.23's failed-session probe default (one environ.py line).
 H6P = "0022-h6-backport-failed-session-probe-default-on.patch"
+# H5/H6 on NIXL: a bounded wait, and the drain ack held until the writes given up on settle.
+H5D = "0023-h5-nixl-drain-ack-after-writes-settle.patch"
 
 
 # Why each verdict is the fact: 0.5.20 moved the seam's lines (offset only);
@@ -52,7 +54,9 @@ H6P = "0022-h6-backport-failed-session-probe-default-on.patch"
 # H5's prefill seam on the chunked-abort release sits below lines 0.5.20 rewrote
 # (`_release_aborted_request`): a human, who also seams the aborted release 0.5.20 added
 # (`_retire_aborted_prefill_result`), as 0.5.20's own series does: no base carries clean.
-# The probe default's line only moves until 0.5.23 ships it.
+# The probe default's line only moves until 0.5.23 ships it. The NIXL drain seams are
+# per-base variants: 0.5.19 waits on handles inline (0.5.20 made that `_await_handles`), and
+# which ack paths bypass `_maybe_ack_drained_abort` changed in 0.5.21 and 0.5.22: a human.
 @pytest.mark.parametrize("target, verdict, h1, h2, h5, h5g", [
     ("0.5.20", OFFSET, MERGED, MERGED, MERGED, MERGED), ("0.5.21", MERGED, UPSTREAM, MERGED, UPSTREAM, MERGED),
     ("0.5.22", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT),
@@ -63,7 +67,8 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, tar
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
-        H5G: h5g, H5S: CONFLICT, H6B: UPSTREAM, H6: OFFSET, H6P: UPSTREAM if target == "0.5.23" else OFFSET}
+        H5G: h5g, H5S: CONFLICT, H6B: UPSTREAM, H6: OFFSET, H6P: UPSTREAM if target == "0.5.23" else OFFSET,
+        H5D: CONFLICT}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -78,11 +83,13 @@ def added_lines(diff: str) -> list[str]:
             and line.strip("+ ")]
 
 
-def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_copy, drop_ids, tmp_path):
+def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_copy, drop_ids, drop_patches,
+                                                               tmp_path):
     """0.5.20's H1 and H5 backports are 'already upstream' on 0.5.21: dropped and recorded; the
     rest carries, adds what 0.5.21's own series adds, verifies and builds."""
     shutil.rmtree(tree_copy / "0.5.21")
     drop_ids("0.5.20", "H8")
+    drop_patches("0.5.20", H5D)  # a per-base variant (above)
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
@@ -94,7 +101,7 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     assert not (written / H1).exists() and not (written / H5).exists()
     carried = load_series(tree_copy, "0.5.21")
     assert [p.name for p in carried.patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P]
-    hand_made = [p for p in load_series(patches, "0.5.21").patches if p.name not in (H8, H8N)]
+    hand_made = [p for p in load_series(patches, "0.5.21").patches if p.name not in (H8, H8N, H5D)]
     assert [added_lines(p.diff) for p in carried.patches] == [added_lines(p.diff) for p in hand_made]
     assert load_lock(tree_copy)["0.5.21"] == result.pin
     assert all(row.ok for row in verify_base(tree_copy, "0.5.21"))
@@ -126,12 +133,13 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert (tree_copy / "upstream.lock").read_text() == lock_before
     rejected = sorted(rejects.iterdir())
     assert {r.name.split(".", 1)[0] for r in rejected} == {
-        p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S)}
+        p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S, H5D)}
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 
-def test_existing_series_is_not_overwritten_without_force(run_cli, tree_copy, drop_ids):
+def test_existing_series_is_not_overwritten_without_force(run_cli, tree_copy, drop_ids, drop_patches):
     drop_ids("0.5.20", "H8")  # a clean rebase: see test_backport_upstream_already_has_is_dropped_and_recorded
+    drop_patches("0.5.20", H5D)
     before = (tree_copy / "0.5.21" / H0).read_text()
     done = run_cli("rebase", "--from", "0.5.20", "--to", "0.5.21")
     assert done.returncode == 1 and "pass --force" in done.stderr

@@ -56,6 +56,11 @@ LOST_PEER_S = 20  # decode gives up on a silent prefill within 2 failed heartbea
 KILLS_ON_UPSTREAM = FULL_MATRIX
 PAIRS = core() + [p for p in [("0.5.23", "nixl")] if p not in core()]
 BUILDS = [(base, backend, hardened) for base, backend in PAIRS for hardened in (False, True)]
+# NIXL's UCX as between hosts: TCP only, small socket buffers. On one host UCX would pick shared
+# memory or cross-memory attach, which write into a stopped peer without it.
+UCX_BETWEEN_HOSTS = ("UCX_TLS=tcp", "UCX_TCP_SNDBUF=4k", "UCX_TCP_RCVBUF=4k")
+STALL_BASES = sorted({base for base, _ in core()})  # NIXL on the bases that run every scenario
+STALL_BUILDS = [(base, "nixl", hardened) for base in STALL_BASES for hardened in (False, True)]
 
 
 @dataclass
@@ -95,9 +100,12 @@ class FaultCluster:
         return time.monotonic()
 
 
-@pytest.fixture(scope="module", params=BUILDS, ids=lambda b: f"{b[0]}-{b[1]}-{'hardened' if b[2] else 'upstream'}")
-def fc(request, tmp_path_factory):
-    base, backend, hardened = request.param
+def _build_id(build: tuple[str, str, bool]) -> str:
+    return f"{build[0]}-{build[1]}-{'hardened' if build[2] else 'upstream'}"
+
+
+def _fault_cluster(build: tuple[str, str, bool], tmp_path_factory, extra_env: tuple[str, ...] = ()):
+    base, backend, hardened = build
     env = sandbox_env(base, hardened=hardened)
     folder = tmp_path_factory.mktemp("ledger")
     switch, fault = folder.parent / f"{folder.name}.slow", folder.parent / f"{folder.name}.fault"
@@ -106,9 +114,20 @@ def fc(request, tmp_path_factory):
         f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}",
         f"{writer.SLOW_SWITCH_ENV}={switch}", f"{FAULT_FILE_ENV}={fault}", *HEARTBEAT,
         f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
-        f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}"))
+        f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}", *extra_env))
     yield FaultCluster(env, cluster, folder, cluster.used_tokens(), hardened, switch, fault)
     cluster.stop()
+
+
+@pytest.fixture(scope="module", params=BUILDS, ids=_build_id)
+def fc(request, tmp_path_factory):
+    yield from _fault_cluster(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=STALL_BUILDS, ids=_build_id)
+def fc_tcp(request, tmp_path_factory):
+    """A NIXL cluster whose UCX moves KV as between hosts."""
+    yield from _fault_cluster(request.param, tmp_path_factory, UCX_BETWEEN_HOSTS)
 
 
 def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = None,
@@ -252,6 +271,32 @@ def test_transfer_fails_part_way(fc):
     else:
         assert not _serves_within(fc.cluster, PROBE_S * 3), "upstream served again without its probe"
         fc.cluster.restart("decode", fc.env)  # what an operator of these releases has to do
+
+
+def test_decode_stopped_mid_transfer(fc_tcp):
+    """SIGSTOP decode mid-write, then SIGCONT: over UCX TCP a write into a stopped peer neither
+    completes nor fails, and upstream's NIXL worker waits for it with no bound (prefill never
+    answers, and its queue serves no other room meanwhile). Hardened prefill gives up on the
+    wait at the release timeout and answers; the write still lands once decode runs, and
+    decode's pages stay held until prefill acks that it did. Prefill answers once its source
+    hold (0013) gives up on the chunk the watcher keeps counted."""
+    fc = fc_tcp
+    req = fc.catch_mid_transfer()
+    req.read_answers(120)
+    fc.signal("decode", signal.SIGSTOP)
+    try:
+        ans = req.answer("prefill", timeout_s=SLOW_S + (1 + HOLD_TIMEOUTS) * RELEASE_TIMEOUT_S + 10)
+    finally:
+        fc.signal("decode", signal.SIGCONT)
+    wait_for(fc.ledger_dir, "end", timeout_s=120, after=req.sent_at)
+    assert wait_pages_idle(fc.cluster, fc.idle, timeout_s=RELEASE_TIMEOUT_S * 3 + 60) == fc.idle, "pages leaked"
+    unsafe = fc.unsafe(req.room)
+    _report(fc, "decode stopped", req, unsafe, role="prefill")
+    assert not unsafe, "\n".join(map(str, unsafe[:5]))
+    if fc.hardened:
+        assert ans.status == 500, ans
+    else:
+        assert ans.status is None, "upstream's NIXL wait ended while decode was stopped"
 
 
 def test_decode_killed_mid_transfer(fc):

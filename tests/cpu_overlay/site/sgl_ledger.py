@@ -11,8 +11,9 @@ CLOCK_MONOTONIC (one clock for every process on the host):
 - decode ``free`` {pages}: these pages went back to the free list.
 - prefill ``begin`` {room, pages, src} / ``end`` {room, rc}: one synchronous
   Mooncake call from prefill pages ``src`` into decode ``pages`` started /
-  returned; a NIXL write posted / every handle of its chunk settled DONE
-  (``rc`` null).
+  returned; a NIXL write posted / every handle of its chunk settled DONE, or,
+  for handles the worker gave up on, the hardened runtime's watcher logged
+  that they settled (``rc`` null).
 - prefill ``srcfree`` {pages}: prefill pages went back to its free list.
 
 ``tests/e2e/ledger.py`` reads the files and reports every decode page freed
@@ -31,6 +32,7 @@ traffic around it).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -52,6 +54,18 @@ def _record(ev: str, **fields) -> None:
     line = json.dumps({"t": time.monotonic(), "ev": ev, **fields}) + "\n"
     with _lock, open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as out:
         out.write(line)
+
+
+class _Settled(logging.Handler):
+    """The hardened runtime logs (with ``settled_room``) when NIXL writes it gave up on settled."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        room = getattr(record, "settled_room", None)
+        if room is not None:
+            _record("end", room=int(room), rc=None)
+
+
+logging.getLogger("sglang_hardened").addHandler(_Settled())
 
 
 def _ints(indices) -> list[int]:
