@@ -133,6 +133,17 @@ def run_cli():
 TIMINGS: list[tuple[str, float]] = []
 
 
+def eventually(pred, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
+    """Whether ``pred()`` turns true within ``timeout_s`` (polled): for state another thread or
+    process changes."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
 @contextmanager
 def phase(name: str) -> Iterator[None]:
     """Time a phase of the run for the summary printed at the end."""

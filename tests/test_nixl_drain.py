@@ -14,6 +14,7 @@ import time
 import pytest
 
 from sglang_hardened.runtime import nixl_drain
+from tests.conftest import eventually
 
 
 class Agent:
@@ -47,15 +48,6 @@ class Manager:
         self.failures.append((bootstrap_room, failure_reason))
 
 
-def _until(check, timeout_s: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 @pytest.fixture
 def timeout_s(monkeypatch) -> float:
     monkeypatch.setattr(nixl_drain, "process_release_timeout_s", lambda: 0.5)
@@ -75,7 +67,7 @@ def test_an_unsettled_room_is_failed_at_once_and_acked_only_when_its_writes_sett
     assert mgr.acks == [] and nixl_drain.holds(mgr, 7), "acked while a write may still land"
     with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
         mgr.agent.states["kv"] = "ERR"  # a handle that failed has settled too
-        assert _until(lambda: mgr.acks == [(7, "decode-0")])
+        assert eventually(lambda: mgr.acks == [(7, "decode-0")])
     assert not nixl_drain.holds(mgr, 7) and 7 not in mgr._staging_outstanding
     [settled] = [r for r in caplog.records if getattr(r, "settled_room", None) == 7]
     assert "given up on settled" in settled.getMessage()
@@ -86,7 +78,7 @@ def test_an_ack_target_registered_after_the_settle_is_acked_by_upstream_at_once(
     mgr.agent.states = {"kv": "DONE"}
     mgr._staging_outstanding[3] = 1
     nixl_drain.take_unsettled(mgr, 3, ["kv"], "settle timeout")
-    assert _until(lambda: not nixl_drain.holds(mgr, 3))
+    assert eventually(lambda: not nixl_drain.holds(mgr, 3))
     mgr._deferred_ack_targets[3] = ["decode-0"]
     mgr._maybe_ack_drained_abort(3)
     assert mgr.acks == [(3, "decode-0")]
@@ -100,7 +92,7 @@ def test_a_rejected_post_is_acked_one_release_timeout_after_its_handles_settled(
     nixl_drain.take_rejected(mgr, 5, ["kv"])
     mgr._maybe_ack_drained_abort(5)  # upstream's own attempt right after the rejection
     assert mgr.acks == []
-    assert _until(lambda: mgr.acks == [(5, "decode-0")])
+    assert eventually(lambda: mgr.acks == [(5, "decode-0")])
     assert time.monotonic() - started >= timeout_s
 
 
@@ -126,7 +118,7 @@ def test_without_deferred_release_upstream_keeps_its_unbounded_wait_and_its_own_
 def test_the_healthy_wait_ends_at_the_release_timeout(timeout_s):
     until = nixl_drain.deadline(Manager())
     assert not nixl_drain.passed(until)
-    assert _until(lambda: nixl_drain.passed(until), timeout_s=timeout_s + 1)
+    assert eventually(lambda: nixl_drain.passed(until), timeout_s=timeout_s + 1)
 
 
 
@@ -138,7 +130,7 @@ def test_0_5_19s_failure_path_acks_once_the_handles_settled_and_a_timeout_passed
     mgr._deferred_ack_targets[6] = ["decode-0"]
     failed_at = time.monotonic()
     nixl_drain.take_failed(mgr, 6, ["kv"])
-    assert _until(lambda: mgr.acks == [(6, "decode-0")])
+    assert eventually(lambda: mgr.acks == [(6, "decode-0")])
     assert time.monotonic() - failed_at >= timeout_s, "acked before a rejected post's writes had a timeout"
     mgr.agent.states["kv2"] = "PROC"
     nixl_drain.take_failed(mgr, 16, ["kv2"])

@@ -16,6 +16,7 @@ import pytest
 
 from sglang_hardened.runtime import nixl_drain, release_guard
 from sglang_hardened.runtime.release_guard import GONE, RUNNING, SILENT, PeerWatch, probe
+from tests.conftest import eventually
 
 # A prefill rank's endpoint is a ZMQ socket, whose I/O thread greets each new connection
 # with the ZMTP signature. Stand-in (pyzmq is not in the tool's environment): a process
@@ -57,15 +58,6 @@ def listener():
         proc.wait()
 
 
-def _until(pred, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_probe_tells_gone_running_and_stalled_apart(listener):
     (greets, _), (mute, _), (stopped, proc) = listener(), listener(greet=False), listener()
     proc.send_signal(signal.SIGSTOP)
@@ -80,7 +72,7 @@ def test_gone_after_the_grace_running_after_its_window_and_not_before(listener):
     watch = PeerWatch(interval_s=0.05, grace_s=0.3)
     t0 = time.monotonic()
     assert not watch.settled([closed, greets], running_for_s=1.0), "not probed yet: neither"
-    assert _until(lambda: watch.settled([closed, greets], running_for_s=1.0))
+    assert eventually(lambda: watch.settled([closed, greets], running_for_s=1.0))
     assert time.monotonic() - t0 >= 1.0
 
 
@@ -88,14 +80,14 @@ def test_a_stopped_prefill_holds_until_it_runs_again_or_dies(listener):
     (ep, proc) = listener()
     proc.send_signal(signal.SIGSTOP)
     watch = PeerWatch(interval_s=0.05, grace_s=0.2)
-    assert not _until(lambda: watch.settled([ep], running_for_s=0.5), timeout_s=2.0), "held while stopped"
+    assert not eventually(lambda: watch.settled([ep], running_for_s=0.5), timeout_s=2.0), "held while stopped"
     proc.send_signal(signal.SIGCONT)
-    assert _until(lambda: watch.settled([ep], running_for_s=0.5)), "released once it has run a while"
+    assert eventually(lambda: watch.settled([ep], running_for_s=0.5)), "released once it has run a while"
     proc.send_signal(signal.SIGSTOP)
-    assert _until(lambda: not watch.settled([ep], running_for_s=0.5)), "stopped again: held again"
+    assert eventually(lambda: not watch.settled([ep], running_for_s=0.5)), "stopped again: held again"
     proc.kill()
     proc.wait()
-    assert _until(lambda: watch.settled([ep], running_for_s=0.5)), "released once it is gone"
+    assert eventually(lambda: watch.settled([ep], running_for_s=0.5)), "released once it is gone"
 
 
 def test_writers_settled_needs_every_rank_settled(listener, monkeypatch):
@@ -110,8 +102,8 @@ def test_writers_settled_needs_every_rank_settled(listener, monkeypatch):
                                                               {"rank_ip": dead_ip, "rank_port": dead_port}])
     dead = SimpleNamespace(bootstrap_room=8, bootstrap_infos=[{"rank_ip": dead_ip, "rank_port": dead_port}])
     assert release_guard.writers_settled(SimpleNamespace(bootstrap_room=9, bootstrap_infos=None)), "no rank got pages"
-    assert _until(lambda: release_guard.writers_settled(dead))
-    assert not _until(lambda: release_guard.writers_settled(both), timeout_s=1.5)
+    assert eventually(lambda: release_guard.writers_settled(dead))
+    assert not eventually(lambda: release_guard.writers_settled(both), timeout_s=1.5)
 
 
 def _receiver(monkeypatch, module: str, drains: bool, room: int, endpoint: tuple[str, int]):
@@ -135,6 +127,6 @@ def test_a_nixl_hold_with_the_drain_ends_only_at_the_ack_or_a_gone_prefill(liste
     mooncake = _receiver(monkeypatch, "sgl_test.mooncake.conn", False, 1, endpoint)
     old_nixl = _receiver(monkeypatch, "sgl_test.old_nixl.conn", False, 2, endpoint)
     nixl = _receiver(monkeypatch, "sgl_test.nixl.conn", True, 3, endpoint)
-    assert _until(lambda: release_guard.writers_settled(mooncake))
-    assert _until(lambda: release_guard.writers_settled(old_nixl))
-    assert not _until(lambda: release_guard.writers_settled(nixl), timeout_s=1.5)
+    assert eventually(lambda: release_guard.writers_settled(mooncake))
+    assert eventually(lambda: release_guard.writers_settled(old_nixl))
+    assert not eventually(lambda: release_guard.writers_settled(nixl), timeout_s=1.5)
