@@ -97,26 +97,32 @@ class Drain:
             with self._lock:
                 rooms = list(self._rooms.items())
             for room, held in rooms:
-                if self._settled(room, held) and time.monotonic() >= held.not_before:
+                if self._settled(room, held):
                     self._release(room, held)
             time.sleep(POLL_S)
 
     def _settled(self, room: int, held: _Room) -> bool:
-        """Every handle DONE or ERR. One whose state cannot be read counts as running (as
-        upstream's `_await_handles` has it): it does not prove the write is over."""
+        """Every handle DONE or ERR and the grace over; then the room is no longer held. One
+        whose state cannot be read counts as running (as upstream's `_await_handles` has it):
+        it does not prove the write is over."""
+        with self._lock:
+            pending = list(held.handles)
         try:
-            held.handles = [h for h in held.handles if self.manager.agent.check_xfer_state(h) not in SETTLED]
+            done = [h for h in pending if self.manager.agent.check_xfer_state(h) in SETTLED]
         except Exception as exc:
             if not held.unreadable:
                 held.unreadable = True
                 log.warning("sglang-hardened H5: room %s: a NIXL write given up on cannot be read (%s); its drain "
                             "ack stays back (decode holds the pages until prefill is gone)", room, exc)
             return False
-        return not held.handles
+        with self._lock:  # the worker may have added handles meanwhile: only those read settled go
+            held.handles = [h for h in held.handles if not any(h is d for d in done)]
+            if held.handles or time.monotonic() < held.not_before:
+                return False
+            del self._rooms[room]
+            return True
 
     def _release(self, room: int, held: _Room) -> None:
-        with self._lock:
-            del self._rooms[room]
         # Nothing else of the room is in flight: its chunks run on one worker, in order, and the
         # later ones are skipped once it failed (a skip may already have popped the count).
         self.manager._staging_outstanding.pop(room, None)
