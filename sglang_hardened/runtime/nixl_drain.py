@@ -9,12 +9,13 @@ gives up on a batch 5 s after one handle failed, and then cannot say when
 the others land: it poisons the room's drain ack and leaves decode to its
 release timeout, which proves nothing about a write still on the wire.
 
-Here the worker's healthy wait ends at the release timeout (`deadline`,
-`passed`). A room it gives up on, or one whose siblings did not settle after
-a failure, is failed and told to decode at once (`take_unsettled`), but its
-handles go to a watcher thread (`Drain`), which keeps the room's chunk
-counted and its drain ack back until every handle is DONE or ERR; then it
-clears the count and sends the ack through upstream's own
+Here the worker's healthy wait (and H8's tag-row wait) ends at the release
+timeout (`deadline`, `passed`). A room it gives up on, or one whose siblings
+did not settle after a failure, is failed and told to decode at once
+(`take_unsettled`; 0.5.19, whose one failure path never acked, `take_failed`),
+but its handles go to a watcher thread (`Drain`), which keeps the room's
+chunk counted and its drain ack back until every handle is DONE or ERR; then
+it clears the count and sends the ack through upstream's own
 `_maybe_ack_drained_abort`, which the seam `holds` keeps shut meanwhile.
 A post that NIXL rejected (`take_rejected`) leaves no handle for what it may
 have put on the wire: its ack also waits one release timeout from the
