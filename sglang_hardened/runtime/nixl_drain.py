@@ -42,10 +42,16 @@ POLL_S = 0.05
 log = logging.getLogger("sglang_hardened")
 
 
+def _acks_drain(manager) -> bool:
+    """Whether the manager acks drained rooms (deferred release on): without it there is no ack
+    to keep back, and upstream's own waits and failure paths stay."""
+    return getattr(manager, "enable_deferred_decode_kv_release", False)
+
+
 def deadline(manager) -> float:
-    """Seam at the start of `_await_handles`: when the wait on healthy handles ends (monotonic).
-    Without deferred release there is no drain ack to keep back: upstream's unbounded wait."""
-    if not getattr(manager, "enable_deferred_decode_kv_release", False):
+    """Seam at the start of `_await_handles`: when the wait on healthy handles ends (monotonic);
+    never without a drain ack to keep back (upstream's unbounded wait)."""
+    if not _acks_drain(manager):
         return float("inf")
     return time.monotonic() + process_release_timeout_s()
 
@@ -109,7 +115,7 @@ class Drain:
         with self._lock:
             pending = list(held.handles)
         try:
-            done = [h for h in pending if self.manager.agent.check_xfer_state(h) in SETTLED]
+            done = {id(h) for h in pending if self.manager.agent.check_xfer_state(h) in SETTLED}
         except Exception as exc:
             if not held.unreadable:
                 held.unreadable = True
@@ -117,7 +123,7 @@ class Drain:
                             "ack stays back (decode holds the pages until prefill is gone)", room, exc)
             return False
         with self._lock:  # the worker may have added handles meanwhile: only those read settled go
-            held.handles = [h for h in held.handles if not any(h is d for d in done)]
+            held.handles = [h for h in held.handles if id(h) not in done]
             if held.handles or time.monotonic() < held.not_before:
                 return False
             del self._rooms[room]
@@ -149,7 +155,7 @@ def holds(manager, room: int) -> bool:
 def abandon(manager, room: int, handles: Sequence[Any], grace_s: float = 0.0) -> bool:
     """The worker stops waiting on `handles` of `room`: the watcher keeps the room's count and ack
     until they settled and `grace_s` passed. False (nothing taken) without deferred release."""
-    if not getattr(manager, "enable_deferred_decode_kv_release", False):
+    if not _acks_drain(manager):
         return False
     _drain(manager).adopt(room, handles, grace_s)
     return True
