@@ -34,6 +34,8 @@ H6 = "0021-h6-bound-mooncake-transfer-calls.patch"
 H6P = "0022-h6-backport-failed-session-probe-default-on.patch"
 # H5/H6 on NIXL: a bounded wait, and the drain ack held until the writes given up on settle.
 H5D = "0023-h5-nixl-drain-ack-after-writes-settle.patch"
+# The backport of 0.5.23's rejected-post rule (0.5.20-0.5.22), on top of 0023's import.
+H5R = "0024-h5-backport-nixl-rejected-post.patch"
 
 
 # Why each verdict is the fact: 0.5.20 moved the seam's lines (offset only);
@@ -89,7 +91,7 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     rest carries, adds what 0.5.21's own series adds, verifies and builds."""
     shutil.rmtree(tree_copy / "0.5.21")
     drop_ids("0.5.20", "H8")
-    drop_patches("0.5.20", H5D)  # a per-base variant (above)
+    drop_patches("0.5.20", H5D, H5R)  # a per-base variant (above), and what builds on it
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
@@ -101,7 +103,7 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     assert not (written / H1).exists() and not (written / H5).exists()
     carried = load_series(tree_copy, "0.5.21")
     assert [p.name for p in carried.patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P]
-    hand_made = [p for p in load_series(patches, "0.5.21").patches if p.name not in (H8, H8N, H5D)]
+    hand_made = [p for p in load_series(patches, "0.5.21").patches if p.name not in (H8, H8N, H5D, H5R)]
     assert [added_lines(p.diff) for p in carried.patches] == [added_lines(p.diff) for p in hand_made]
     assert load_lock(tree_copy)["0.5.21"] == result.pin
     assert all(row.ok for row in verify_base(tree_copy, "0.5.21"))
@@ -139,7 +141,7 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
 
 def test_existing_series_is_not_overwritten_without_force(run_cli, tree_copy, drop_ids, drop_patches):
     drop_ids("0.5.20", "H8")  # a clean rebase: see test_backport_upstream_already_has_is_dropped_and_recorded
-    drop_patches("0.5.20", H5D)
+    drop_patches("0.5.20", H5D, H5R)
     before = (tree_copy / "0.5.21" / H0).read_text()
     done = run_cli("rebase", "--from", "0.5.20", "--to", "0.5.21")
     assert done.returncode == 1 and "pass --force" in done.stderr

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import overlay_module
+from tests.conftest import eventually, overlay_module
 
 faults = overlay_module("sgl_faults")
 PAGE = 2
@@ -107,6 +107,48 @@ def test_fail_part_way_on_nixl_posts_half_lets_it_land_then_raises(switch, tmp_p
     assert sender.looks == 2, "the half write was waited for until it settled"
     [record] = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
     assert (record["ev"], record["room"]) == ("end", 7), "the ledger saw the half write end"
+
+
+class Agent:
+    """A NIXL agent whose posts are accepted."""
+
+    def __init__(self, state) -> None:
+        self.check_xfer_state = state
+
+    def transfer(self, handle) -> str:
+        return "PROC"
+
+
+class PostingSender(NixlSender):
+    """A stand-in whose post goes through its agent's `transfer`, as upstream's `send_kvcache` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.agent = Agent(self._state)
+
+    def send_kvcache(self, peer, src, ptrs, dst, gpu_id, dst_mem_kind="VRAM"):
+        if self.agent.transfer(len(self.posted) + 1) == "ERR":
+            raise Exception("KVSender failed to post transfer")
+        return super().send_kvcache(peer, src, ptrs, dst, gpu_id, dst_mem_kind)
+
+
+def test_post_rejected_on_nixl_raises_what_the_base_raises_and_lands_half_later(switch, tmp_path, monkeypatch):
+    ledger = overlay_module("sgl_ledger")
+    monkeypatch.setitem(sys.modules, "sgl_ledger", ledger)
+    monkeypatch.setenv(ledger.DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(faults, "LATE_S", 0.2)
+    sender = PostingSender()
+    post = faults.rejecting_post_nixl(SimpleNamespace(room=7), sender, sender.send_kvcache)
+    assert post("peer", [1, 2, 3, 4], "ptrs", [5, 6, 7, 8], 0) == 1
+    switch.write_text("post-rejected")
+    with pytest.raises(Exception, match="KVSender failed to post transfer"):
+        post("peer", [1, 2, 3, 4], "ptrs", [5, 6, 7, 8], 0)
+    assert sender.agent.transfer(0) == "PROC", "the agent's own transfer is back"
+    assert sender.posted == [([1, 2, 3, 4], [5, 6, 7, 8], "VRAM")], "nothing of the rejected post yet"
+    assert eventually(lambda: len(sender.posted) == 2 and list(tmp_path.glob("*.jsonl")))
+    assert sender.posted[1] == ([1, 2], [5, 6], "VRAM"), "its first half landed late"
+    [record] = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert (record["ev"], record["room"]) == ("end", 7), "the ledger saw the late half end"
 
 
 @pytest.mark.parametrize("fault", ["page-reused-early", "stale-page-index"])

@@ -299,6 +299,37 @@ def test_decode_stopped_mid_transfer(fc_tcp):
         assert ans.status is None, "upstream's NIXL wait ended while decode was stopped"
 
 
+def test_post_rejected_with_writes_on_the_wire(fc):
+    """NIXL rejects a post after it put half of the chunk on the wire, and no handle tracks that
+    half (it lands 3 s later). Upstream 0.5.20-0.5.22 ack the room's drain as soon as the
+    handles they hold settle, and decode frees the pages before the half lands; 0.5.23 holds
+    the ack back (decode waits out its release timeout); 0.5.19 never acks a failed room.
+    Hardened builds ack one release timeout after the rejection."""
+    if fc.cluster.params.backend != "nixl":
+        pytest.skip("a NIXL post")
+    fc.fault_file.write_text("post-rejected")
+    try:
+        req = fc.catch_mid_transfer()
+        req.read_answers(120)
+        wait_for(fc.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
+    finally:
+        fc.fault_file.write_text("")
+    assert f"SANDBOX PAGE FAULT post-rejected: room {req.room}" in fc.cluster.log_tail("prefill", 400)
+    told_within = SLOW_S + LOST_PEER_S + HOLD_TIMEOUTS * RELEASE_TIMEOUT_S
+    ans = req.answer("decode", timeout_s=told_within + 10)
+    if ans.status is None and not fc.hardened and Version(fc.env.base) < Version("0.5.20"):
+        fc.abort("decode", req.rid)  # 0.5.19 never tells decode: what the client's hang-up would do
+    else:
+        assert ans.status == 500 and ans.seconds < told_within, ans
+    assert wait_pages_idle(fc.cluster, fc.idle, timeout_s=RELEASE_TIMEOUT_S * 3 + 30) == fc.idle, "pages leaked"
+    unsafe = fc.unsafe(req.room)
+    _report(fc, "post rejected, half on the wire", req, unsafe)
+    if fc.hardened or Version(fc.env.base) not in (Version("0.5.20"), Version("0.5.21"), Version("0.5.22")):
+        assert not unsafe, "\n".join(map(str, unsafe[:5]))
+    else:
+        assert unsafe, "upstream 0.5.20-0.5.22 kept the pages until the rejected post's writes landed"
+
+
 def test_decode_killed_mid_transfer(fc):
     """SIGKILL decode mid-write: prefill's write into the dead peer fails, prefill answers
     with an error (not a success for KV nobody holds) and gets back every page it held;

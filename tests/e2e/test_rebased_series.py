@@ -19,7 +19,8 @@ def test_series_rebased_onto_0_5_21_passes_the_oversized_prompt_scenario(start_c
                                                                            drop_ids, drop_patches):
     drop_base("0.5.21")
     drop_ids("0.5.20", "H8")  # its seams are per-base variants (tests/test_rebase.py)
-    drop_patches("0.5.20", "0023-h5-nixl-drain-ack-after-writes-settle.patch")  # likewise
+    drop_patches("0.5.20", "0023-h5-nixl-drain-ack-after-writes-settle.patch",  # likewise,
+                 "0024-h5-backport-nixl-rejected-post.patch")  # and what builds on it
     with phase("rebase 0.5.20 -> 0.5.21"):
         result = rebase(tree_copy, "0.5.20", "0.5.21")
     # upstream's own changes, backported: H1's admission check and H5's deferred release (0.5.21)

@@ -37,6 +37,12 @@ request frees exactly the pages its page table holds.
   own failure path for a batch that broke while it was built. Not a read
   fault: the transfer fails, and the question is what each side does with the
   pages (tests/e2e/test_fault_matrix.py).
+- ``post-rejected`` (prefill, NIXL transfer worker): NIXL rejects a send's
+  post after it put the chunk's first half on the wire. Stand-in for what
+  NIXL does below its API: that half is posted from another thread
+  ``LATE_S`` later, tracked by no handle of the worker's, and the agent's
+  ``transfer`` answers ERR for the post the worker makes, so each build
+  raises what it raises for a rejected post. Not a read fault either.
 
 H8 refuses each read fault: the page read does not carry the request's (room, epoch).
 A dropped page's row was reset when decode allocated it and no row came; a
@@ -48,14 +54,16 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import torch
 
 FILE_ENV = "SANDBOX_PAGE_FAULT_FILE"
-FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early", "fail-part-way")
+FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early", "fail-part-way", "post-rejected")
 MIN_PAGES = 16
 SETTLE_S = 30.0  # how long fail-part-way waits for NIXL's half write to settle
+LATE_S = 3.0  # how late post-rejected's half lands: under the release timeout, well after an ack at once
 
 
 def armed(fault: str, pages: int) -> bool:
@@ -114,6 +122,32 @@ def failing_part_way_nixl(req, post):
             __import__("sgl_ledger").landed(req.room)
         _hit("fail-part-way", req.room, f"{half} of {len(dst_pages)} pages written ({state}), then the post fails")
         raise RuntimeError(f"SANDBOX PAGE FAULT fail-part-way: room {int(req.room)}: the link dropped mid-transfer")
+    return call
+
+
+def rejecting_post_nixl(req, manager, send):
+    """Prefill's NIXL transfer worker: ``send_kvcache`` whose post NIXL rejects after it put the
+    chunk's first half on the wire (that half lands ``LATE_S`` later)."""
+    def call(peer, src_pages, dst_ptrs, dst_pages, *args, **kwargs):
+        if not armed("post-rejected", len(dst_pages)):
+            return send(peer, src_pages, dst_ptrs, dst_pages, *args, **kwargs)
+        half = len(dst_pages) // 2
+
+        def land_late() -> None:
+            time.sleep(LATE_S)
+            handle = send(peer, src_pages[:half], dst_ptrs, dst_pages[:half], *args, **kwargs)
+            while manager.agent.check_xfer_state(handle) not in ("DONE", "ERR"):
+                time.sleep(0.001)
+            __import__("sgl_ledger").landed(req.room)
+
+        threading.Thread(target=land_late, name="sandbox-late-half", daemon=True).start()
+        _hit("post-rejected", req.room, f"post rejected; {half} of {len(dst_pages)} pages land {LATE_S:.0f} s later")
+        agent = manager.agent
+        agent.transfer = lambda *_, **__: "ERR"  # the worker's own post is the one rejected
+        try:
+            return send(peer, src_pages[half:], dst_ptrs, dst_pages[half:], *args, **kwargs)
+        finally:
+            del agent.transfer
     return call
 
 
