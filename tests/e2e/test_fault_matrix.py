@@ -32,7 +32,7 @@ from sglang_hardened.sandbox.env import SandboxEnv
 from tests.conftest import overlay_module
 
 from .conftest import TIMINGS, launch, sandbox_env
-from .inflight import InFlight, send_mid_transfer
+from .inflight import Answer, InFlight, send_mid_transfer
 from .ledger import Ledger, wait_for, writer
 from .scenarios import FITTING_C, FULL_MATRIX, SAFE_PARAMS, SLOW_PROMPT, core, observe_probes, wait_pages_idle
 
@@ -51,6 +51,8 @@ PROBE_S = 2  # prefill probes a blacklisted Mooncake session this often (where t
 PAGE_HUNGRY = "value secret tenant " * 313
 PARAMS = dict(SAFE_PARAMS, decode_pool_tokens=2600)
 LOST_PEER_S = 20  # decode gives up on a silent prefill within 2 failed heartbeats (2 s + 3 s read timeout each)
+# A failed send reaches decode within this: the slowed write, then prefill's source hold (0013) at most.
+TOLD_WITHIN_S = SLOW_S + LOST_PEER_S + HOLD_TIMEOUTS * RELEASE_TIMEOUT_S
 # Upstream handles a killed peer safely too (the kill tests pass on it): CI runs them on
 # hardened builds only, the full matrix everywhere.
 KILLS_ON_UPSTREAM = FULL_MATRIX
@@ -93,6 +95,19 @@ class FaultCluster:
 
     def catch_mid_transfer(self) -> InFlight:
         return send_mid_transfer(self.cluster, self.ledger_dir, uuid.uuid4().hex, self.slow_switch)
+
+    def send_with_fault(self, fault: str) -> tuple[InFlight, Answer]:
+        """One request caught mid-transfer with ``fault`` hitting prefill's transfers; it and
+        decode's answer (status None: none within ``TOLD_WITHIN_S``)."""
+        self.fault_file.write_text(fault)
+        try:
+            req = self.catch_mid_transfer()
+            req.read_answers(120)
+            wait_for(self.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
+        finally:
+            self.fault_file.write_text("")
+        assert f"SANDBOX PAGE FAULT {fault}: room {req.room}" in self.cluster.log_tail("prefill", 400)
+        return req, req.answer("decode", timeout_s=TOLD_WITHIN_S + 10)
 
     def kill_tests_apply(self) -> None:
         if not (self.hardened or KILLS_ON_UPSTREAM):
@@ -257,21 +272,12 @@ def test_transfer_fails_part_way(fc):
     request to that decode until it restarts (their session probe is off); hardened builds
     and 0.5.23 probe the session and serve again."""
     nixl = fc.cluster.params.backend == "nixl"
-    fc.fault_file.write_text("fail-part-way")
-    try:
-        req = fc.catch_mid_transfer()
-        req.read_answers(120)
-        wait_for(fc.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
-    finally:
-        fc.fault_file.write_text("")
-    assert f"SANDBOX PAGE FAULT fail-part-way: room {req.room}" in fc.cluster.log_tail("prefill", 400)
-    told_within = SLOW_S + LOST_PEER_S + HOLD_TIMEOUTS * RELEASE_TIMEOUT_S
-    ans = req.answer("decode", timeout_s=told_within + 10)
+    req, ans = fc.send_with_fault("fail-part-way")
     if nixl and not fc.hardened and Version(fc.env.base) < Version("0.5.20"):
         assert ans.status is None, ans
         fc.abort("decode", req.rid)  # what the client's hang-up would do, so the next case starts idle
     else:
-        assert ans.status == 500 and ans.seconds < told_within, ans
+        assert ans.status == 500 and ans.seconds < TOLD_WITHIN_S, ans
     assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
     unsafe = fc.unsafe(req.room)
     _report(fc, "transfer failed part-way", req, unsafe)
@@ -316,20 +322,11 @@ def test_post_rejected_with_writes_on_the_wire(fc_nixl):
     the ack back (decode waits out its release timeout); 0.5.19 never acks a failed room.
     Hardened builds ack one release timeout after the rejection."""
     fc = fc_nixl
-    fc.fault_file.write_text("post-rejected")
-    try:
-        req = fc.catch_mid_transfer()
-        req.read_answers(120)
-        wait_for(fc.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
-    finally:
-        fc.fault_file.write_text("")
-    assert f"SANDBOX PAGE FAULT post-rejected: room {req.room}" in fc.cluster.log_tail("prefill", 400)
-    told_within = SLOW_S + LOST_PEER_S + HOLD_TIMEOUTS * RELEASE_TIMEOUT_S
-    ans = req.answer("decode", timeout_s=told_within + 10)
+    req, ans = fc.send_with_fault("post-rejected")
     if ans.status is None and not fc.hardened and Version(fc.env.base) < Version("0.5.20"):
         fc.abort("decode", req.rid)  # 0.5.19 never tells decode: what the client's hang-up would do
     else:
-        assert ans.status == 500 and ans.seconds < told_within, ans
+        assert ans.status == 500 and ans.seconds < TOLD_WITHIN_S, ans
     assert wait_pages_idle(fc.cluster, fc.idle, timeout_s=RELEASE_TIMEOUT_S * 3 + 30) == fc.idle, "pages leaked"
     unsafe = fc.unsafe(req.room)
     _report(fc, "post rejected, half on the wire", req, unsafe)
