@@ -62,7 +62,7 @@ import torch
 FILE_ENV = "SANDBOX_PAGE_FAULT_FILE"
 FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early", "fail-part-way", "post-rejected")
 MIN_PAGES = 16
-SETTLE_S = 30.0  # how long fail-part-way waits for NIXL's half write to settle
+SETTLE_S = 30.0  # how long a NIXL fault waits for the half write it posted to settle
 LATE_S = 3.0  # how late post-rejected's half lands: under the release timeout, well after an ack at once
 
 
@@ -107,6 +107,17 @@ def failing_part_way(req, send):
     return call
 
 
+def _settle(req, agent, handle) -> str:
+    """Wait, at most ``SETTLE_S``, for a write a fault posted to settle; its last state. The ledger
+    gets the write's end only if it settled (else it may still land)."""
+    deadline = time.monotonic() + SETTLE_S
+    while (state := agent.check_xfer_state(handle)) not in ("DONE", "ERR") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if state in ("DONE", "ERR"):
+        __import__("sgl_ledger").landed(req.room)
+    return state
+
+
 def failing_part_way_nixl(req, post):
     """Prefill's NIXL transfer worker: ``send_kvcache`` that posts half the chunk, waits for that
     write to settle, then raises."""
@@ -115,11 +126,7 @@ def failing_part_way_nixl(req, post):
             return post(peer, src_pages, dst_ptrs, dst_pages, *args, **kwargs)
         half = len(dst_pages) // 2
         handle = post(peer, src_pages[:half], dst_ptrs, dst_pages[:half], *args, **kwargs)
-        agent, deadline = post.__self__.agent, time.monotonic() + SETTLE_S
-        while (state := agent.check_xfer_state(handle)) not in ("DONE", "ERR") and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if state in ("DONE", "ERR"):  # else it may still land: no end for the ledger
-            __import__("sgl_ledger").landed(req.room)
+        state = _settle(req, post.__self__.agent, handle)
         _hit("fail-part-way", req.room, f"{half} of {len(dst_pages)} pages written ({state}), then the post fails")
         raise RuntimeError(f"SANDBOX PAGE FAULT fail-part-way: room {int(req.room)}: the link dropped mid-transfer")
     return call
@@ -135,10 +142,7 @@ def rejecting_post_nixl(req, manager, send):
 
         def land_late() -> None:
             time.sleep(LATE_S)
-            handle = send(peer, src_pages[:half], dst_ptrs, dst_pages[:half], *args, **kwargs)
-            while manager.agent.check_xfer_state(handle) not in ("DONE", "ERR"):
-                time.sleep(0.001)
-            __import__("sgl_ledger").landed(req.room)
+            _settle(req, manager.agent, send(peer, src_pages[:half], dst_ptrs, dst_pages[:half], *args, **kwargs))
 
         threading.Thread(target=land_late, name="sandbox-late-half", daemon=True).start()
         _hit("post-rejected", req.room, f"post rejected; {half} of {len(dst_pages)} pages land {LATE_S:.0f} s later")
