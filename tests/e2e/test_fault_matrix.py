@@ -56,17 +56,41 @@ TOLD_WITHIN_S = SLOW_S + LOST_PEER_S + HOLD_TIMEOUTS * RELEASE_TIMEOUT_S
 # Upstream handles a killed peer safely too (the kill tests pass on it): CI runs them on
 # hardened builds only, the full matrix everywhere.
 KILLS_ON_UPSTREAM = FULL_MATRIX
+
+
+@dataclass(frozen=True)
+class Build:
+    """What a fault cluster runs: a base, its backend, upstream or hardened, and whether NIXL's
+    UCX moves KV as between hosts (TCP only, small socket buffers: on one host UCX would pick
+    shared memory or cross-memory attach, which write into a stopped peer without it)."""
+
+    base: str
+    backend: str
+    hardened: bool
+    between_hosts: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.base}-{self.backend}-{'hardened' if self.hardened else 'upstream'}" + "-tcp" * self.between_hosts
+
+
+def _both(base: str, backend: str, between_hosts: bool = False) -> list[Build]:
+    return [Build(base, backend, hardened, between_hosts) for hardened in (False, True)]
+
+
 PAIRS = core() + [p for p in [("0.5.23", "nixl")] if p not in core()]
-BUILDS = [(base, backend, hardened) for base, backend in PAIRS for hardened in (False, True)]
-# NIXL's UCX as between hosts: TCP only, small socket buffers. On one host UCX would pick shared
-# memory or cross-memory attach, which write into a stopped peer without it.
-UCX_BETWEEN_HOSTS = ("UCX_TLS=tcp", "UCX_TCP_SNDBUF=4k", "UCX_TCP_RCVBUF=4k")
-STALL_BASES = sorted({base for base, _ in core()})  # NIXL on the bases that run every scenario
-STALL_BUILDS = [(base, "nixl", hardened) for base in STALL_BASES for hardened in (False, True)]
+BUILDS = [b for base, backend in PAIRS for b in _both(base, backend)]
+STALL_BUILDS = [b for base in sorted({base for base, _ in core()}) for b in _both(base, "nixl", between_hosts=True)]
 # A rejected NIXL post: upstream 0.5.20-0.5.22 ack too early (CI shows it on 0.5.22), and
 # hardened 0.5.23 acks through 0023's rule rather than 0024's backport of upstream's.
-REJECT_BUILDS = ([(base, "nixl", hardened) for base, kind in core() if kind == "nixl" for hardened in (False, True)]
-                 if FULL_MATRIX else [("0.5.22", "nixl", False), ("0.5.22", "nixl", True), ("0.5.23", "nixl", True)])
+REJECT_BUILDS = ([b for base, backend in core() if backend == "nixl" for b in _both(base, backend)] if FULL_MATRIX
+                 else [*_both("0.5.22", "nixl"), Build("0.5.23", "nixl", True)])
+UCX_BETWEEN_HOSTS = ("UCX_TLS=tcp", "UCX_TCP_SNDBUF=4k", "UCX_TCP_RCVBUF=4k")
+
+
+def on(builds: list[Build]):
+    """Run a test on one fault cluster per build in ``builds``."""
+    return pytest.mark.parametrize("fc", builds, indirect=True, ids=lambda b: b.id)
 
 
 @dataclass
@@ -119,41 +143,24 @@ class FaultCluster:
         return time.monotonic()
 
 
-def _build_id(build: tuple[str, str, bool]) -> str:
-    return f"{build[0]}-{build[1]}-{'hardened' if build[2] else 'upstream'}"
-
-
-def _fault_cluster(build: tuple[str, str, bool], tmp_path_factory, extra_env: tuple[str, ...] = ()):
-    base, backend, hardened = build
-    env = sandbox_env(base, hardened=hardened)
+@pytest.fixture(scope="module")
+def fc(request, tmp_path_factory):
+    """The fault cluster of the test's build. One fixture for every build, so pytest stops a
+    cluster before it starts the next: SGLang's idle CPU schedulers spin, and a cluster kept
+    alive beside the next one slowed that one's start 3-6 times on 2 cores."""
+    build: Build = request.param
+    env = sandbox_env(build.base, hardened=build.hardened)
     folder = tmp_path_factory.mktemp("ledger")
     switch, fault = folder.parent / f"{folder.name}.slow", folder.parent / f"{folder.name}.fault"
     fault.write_text("")
-    cluster = launch(env, backend=backend, **PARAMS, extra_env=(
+    cluster = launch(env, backend=build.backend, **PARAMS, extra_env=(
         f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}",
         f"{writer.SLOW_SWITCH_ENV}={switch}", f"{FAULT_FILE_ENV}={fault}", *HEARTBEAT,
         f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
-        f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}", *extra_env))
-    yield FaultCluster(env, cluster, folder, cluster.used_tokens(), hardened, switch, fault)
+        f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}",
+        *(UCX_BETWEEN_HOSTS if build.between_hosts else ())))
+    yield FaultCluster(env, cluster, folder, cluster.used_tokens(), build.hardened, switch, fault)
     cluster.stop()
-
-
-@pytest.fixture(scope="module", params=BUILDS, ids=_build_id)
-def fc(request, tmp_path_factory):
-    yield from _fault_cluster(request.param, tmp_path_factory)
-
-
-@pytest.fixture(scope="module", params=STALL_BUILDS, ids=_build_id)
-def fc_tcp(request, tmp_path_factory):
-    """A NIXL cluster whose UCX moves KV as between hosts."""
-    yield from _fault_cluster(request.param, tmp_path_factory, UCX_BETWEEN_HOSTS)
-
-
-@pytest.fixture(scope="module", params=REJECT_BUILDS, ids=_build_id)
-def fc_nixl(request, tmp_path_factory):
-    """A NIXL cluster for the cases that only NIXL's API has."""
-    yield from _fault_cluster(request.param, tmp_path_factory)
-
 
 def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = None,
             role: str = "decode") -> float | None:
@@ -177,6 +184,7 @@ def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = N
     return held
 
 
+@on(BUILDS)
 def test_decode_aborts_mid_transfer(fc):
     """/abort_request on decode while prefill writes: 0.5.19-0.5.20 free at once."""
     req = fc.catch_mid_transfer()
@@ -194,6 +202,7 @@ def test_decode_aborts_mid_transfer(fc):
     assert req.answer("decode").status != 200 or '"abort"' in req.answer("decode").body
 
 
+@on(BUILDS)
 def test_prefill_aborts_mid_transfer(fc):
     """/abort_request on prefill alone while it writes (an operator, a gateway cancelling one
     role), then another tenant's prompt that needs the pages: upstream releases the aborted
@@ -228,6 +237,7 @@ def test_prefill_aborts_mid_transfer(fc):
     assert req.answer("prefill").status != 200 or '"abort"' in req.answer("prefill").body
 
 
+@on(BUILDS)
 def test_prefill_stopped_past_the_release_timeout(fc):
     """SIGSTOP prefill mid-write until decode has failed the request and its release timeout
     has passed, then SIGCONT: the write lands when prefill resumes. Every upstream base
@@ -261,6 +271,7 @@ def _serves_within(cluster: Cluster, seconds: float) -> bool:
     return True
 
 
+@on(BUILDS)
 def test_transfer_fails_part_way(fc):
     """A send that writes half of the request's pages and then fails (a link dropping
     mid-transfer; on NIXL the post raises once the half has landed): prefill fails the room
@@ -289,14 +300,14 @@ def test_transfer_fails_part_way(fc):
         fc.cluster.restart("decode", fc.env)  # what an operator of these releases has to do
 
 
-def test_decode_stopped_mid_transfer(fc_tcp):
+@on(STALL_BUILDS)
+def test_decode_stopped_mid_transfer(fc):
     """SIGSTOP decode mid-write, then SIGCONT: over UCX TCP a write into a stopped peer neither
     completes nor fails, and upstream's NIXL worker waits for it with no bound (prefill never
     answers, and its queue serves no other room meanwhile). Hardened prefill gives up on the
     wait at the release timeout and answers; the write still lands once decode runs, and
     decode's pages stay held until prefill acks that it did. Prefill answers once its source
     hold (0013) gives up on the chunk the watcher keeps counted."""
-    fc = fc_tcp
     req = fc.catch_mid_transfer()
     req.read_answers(120)
     fc.signal("decode", signal.SIGSTOP)
@@ -315,13 +326,13 @@ def test_decode_stopped_mid_transfer(fc_tcp):
         assert ans.status is None, "upstream's NIXL wait ended while decode was stopped"
 
 
-def test_post_rejected_with_writes_on_the_wire(fc_nixl):
+@on(REJECT_BUILDS)
+def test_post_rejected_with_writes_on_the_wire(fc):
     """NIXL rejects a post after it put half of the chunk on the wire, and no handle tracks that
     half (it lands 3 s later). Upstream 0.5.20-0.5.22 ack the room's drain as soon as the
     handles they hold settle, and decode frees the pages before the half lands; 0.5.23 holds
     the ack back (decode waits out its release timeout); 0.5.19 never acks a failed room.
     Hardened builds ack one release timeout after the rejection."""
-    fc = fc_nixl
     req, ans = fc.send_with_fault("post-rejected")
     if ans.status is None and not fc.hardened and Version(fc.env.base) < Version("0.5.20"):
         fc.abort("decode", req.rid)  # 0.5.19 never tells decode: what the client's hang-up would do
@@ -336,6 +347,7 @@ def test_post_rejected_with_writes_on_the_wire(fc_nixl):
         assert unsafe, "upstream 0.5.20-0.5.22 kept the pages until the rejected post's writes landed"
 
 
+@on(BUILDS)
 def test_decode_killed_mid_transfer(fc):
     """SIGKILL decode mid-write: prefill's write into the dead peer fails, prefill answers
     with an error (not a success for KV nobody holds) and gets back every page it held;
@@ -351,6 +363,7 @@ def test_decode_killed_mid_transfer(fc):
     assert ans.status != 200, ans
 
 
+@on(BUILDS)
 def test_prefill_killed_mid_transfer(fc):
     """SIGKILL prefill mid-write: decode fails the request within its heartbeat, and no
     page goes back before the writer is dead; prefill is then restarted in place."""
@@ -367,6 +380,7 @@ def test_prefill_killed_mid_transfer(fc):
     assert not unsafe, "\n".join(map(str, unsafe[:5]))
 
 
+@on(BUILDS)
 def test_next_requests_read_only_their_own_pages(fc):
     """The differential oracle after every fault above (and a restarted prefill)."""
     verdict = observe_probes(fc.cluster, {"control": FITTING_C})["control"]
