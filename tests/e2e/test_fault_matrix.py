@@ -70,8 +70,12 @@ class Build:
     between_hosts: bool = False
 
     @property
+    def flavour(self) -> str:
+        return "hardened" if self.hardened else "upstream"
+
+    @property
     def id(self) -> str:
-        return f"{self.base}-{self.backend}-{'hardened' if self.hardened else 'upstream'}" + "-tcp" * self.between_hosts
+        return f"{self.base}-{self.backend}-{self.flavour}" + "-tcp" * self.between_hosts
 
 
 def _both(base: str, backend: str, between_hosts: bool = False) -> list[Build]:
@@ -95,17 +99,21 @@ def on(builds: list[Build]):
 
 @dataclass
 class FaultCluster:
+    build: Build
     env: SandboxEnv
     cluster: Cluster
     ledger_dir: Path
     idle: dict[str, int]
-    hardened: bool
     slow_switch: Path  # SANDBOX_SLOW_SWITCH: while it exists, a write call is slowed
     fault_file: Path  # SANDBOX_PAGE_FAULT_FILE: the injected fault it names hits transfers
 
     @property
+    def hardened(self) -> bool:
+        return self.build.hardened
+
+    @property
     def name(self) -> str:
-        return f"{self.env.base} {self.cluster.params.backend} {'hardened' if self.hardened else 'upstream'}"
+        return f"{self.build.base} {self.build.backend} {self.build.flavour}"
 
     def unsafe(self, room: int, killed_at: float = float("inf")) -> list:
         return [u for u in Ledger(self.ledger_dir).unsafe_frees(killed_at) if u.room == room]
@@ -159,8 +167,9 @@ def fc(request, tmp_path_factory):
         f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
         f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}",
         *(UCX_BETWEEN_HOSTS if build.between_hosts else ())))
-    yield FaultCluster(env, cluster, folder, cluster.used_tokens(), build.hardened, switch, fault)
+    yield FaultCluster(build, env, cluster, folder, cluster.used_tokens(), switch, fault)
     cluster.stop()
+
 
 def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = None,
             role: str = "decode") -> float | None:
@@ -168,8 +177,8 @@ def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = N
     long decode held the pages after the write returned (the drain ack), or how early it
     freed them. Returns the hold in seconds when no page was freed under a live write."""
     ans = req.answer(role)
-    p = fc.cluster.params
-    TIMINGS.append((f"fault: {fault} ({role} answer)", p.base, p.backend, "hardened" if fc.hardened else "upstream",
+    b = fc.build
+    TIMINGS.append((f"fault: {fault} ({role} answer)", b.base, b.backend, b.flavour,
                     ans.status or 0, ans.seconds))
     held = None
     if unsafe is None:  # a killed peer: no write returns
