@@ -145,9 +145,12 @@ def test_post_rejected_on_nixl_raises_what_the_base_raises_and_lands_half_later(
         post("peer", [1, 2, 3, 4], "ptrs", [5, 6, 7, 8], 0)
     assert sender.agent.transfer(0) == "PROC", "the agent's own transfer is back"
     assert sender.posted == [([1, 2, 3, 4], [5, 6, 7, 8], "VRAM")], "nothing of the rejected post yet"
-    assert eventually(lambda: len(sender.posted) == 2 and list(tmp_path.glob("*.jsonl")))
+    def records() -> list[dict]:  # the ledger's file exists a moment before its line is written
+        return [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
+
+    assert eventually(lambda: len(sender.posted) == 2 and records())
     assert sender.posted[1] == ([1, 2], [5, 6], "VRAM"), "its first half landed late"
-    [record] = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
+    [record] = records()
     assert (record["ev"], record["room"]) == ("end", 7), "the ledger saw the late half end"
 
 
