@@ -1,7 +1,7 @@
 """H8 page tags on CPU: one request's allocate + stamp + check against the decode step it protects.
 
     python benchmarks/bench_page_tags.py --prompt-tokens 512 --repeat 200
-    python benchmarks/bench_page_tags.py --step-from-cluster 0.5.23   # + SGLang's real step (minutes)
+    python benchmarks/bench_page_tags.py --step-from-cluster 0.5.23   # + SGLang's real step and H8 in it (minutes)
 
 Two decode steps to compare with. The stand-in, always measured: the tiny
 test model's forward for one token (its shapes: 2 Llama layers, hidden 128,
@@ -11,11 +11,14 @@ with --step-from-cluster: a hardened CPU PD cluster of that base (the
 sandbox's, as bench_cluster.py starts it) serving greedy requests of the
 prompt's length one at a time; a step is the difference in latency between
 a long and a short answer over the difference in tokens, so prefill, the
-transfer, H8's own check and HTTP cancel out. Tag work runs once per
-request, a step once per token: the amortised share spreads it over
---output-tokens steps. The tag work runs on one torch thread: on a shared
-2-core host two spinning OpenMP threads make every small op 10-20x slower,
-and the ratio would measure that.
+transfer, H8's own check and HTTP cancel out. The same cluster logs H8's
+cost for every request where it runs (`page_tags_cost`, one line a request:
+the servers' own page indices and cache state): their means per request
+are set against its step too. Tag work runs once per request, a step once
+per token: the amortised share spreads it over --output-tokens steps. The
+tag work here runs on one torch thread: on a shared 2-core host two spinning
+OpenMP threads make every small op 10-20x slower, and the ratio would
+measure that.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV, read_cost_lines
 from sglang_hardened.sandbox.cluster import ClusterParams, start
 from sglang_hardened.sandbox.env import build_env, default_overlay, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
@@ -80,12 +85,23 @@ def decode_step_s(context: int, repeat: int) -> float:
 
 
 @dataclass(frozen=True)
+class InSitu:
+    """One H8 operation in the servers, per request (means over the requests sent)."""
+
+    wall_s: float
+    cpu_s: float
+    pages: float
+
+
+@dataclass(frozen=True)
 class ClusterStep:
-    """SGLang's decode step at batch 1, one estimate per request pair, and the prompt it followed."""
+    """SGLang's decode step at batch 1, one estimate per request pair, the prompt it followed, and
+    what each H8 operation cost per request in the same servers."""
 
     per_pair_s: list[float]
     prompt_tokens: int
     load: float  # the host's 1-minute load average when the pairs were done: other work slows a step
+    in_situ: dict[str, InSitu]  # by operation
 
     @property
     def median_s(self) -> float:
@@ -99,7 +115,7 @@ def cluster_step(base: str, prompt_tokens: int, output_tokens: int, repeat: int)
     difference in latency is `output_tokens` decode steps and nothing else.
     """
     env = build_env(base, wheels_for(base, hardened=True), default_overlay())
-    cluster = start(env, ClusterParams(base=base, **SAFE), ensure_model(env))
+    cluster = start(env, ClusterParams(base=base, extra_env=(f"{COST_EVERY_ENV}=1",), **SAFE), ensure_model(env))
     try:
         def ask(text: str, tokens: int) -> tuple[float, dict]:
             sampling = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}
@@ -111,14 +127,28 @@ def cluster_step(base: str, prompt_tokens: int, output_tokens: int, repeat: int)
                 raise SystemExit(f"asked for {tokens} tokens, got {meta['completion_tokens']}")
             return reply.seconds, meta
 
+        def cost_lines(role: str):
+            return [line for line in read_cost_lines(Path(cluster.procs[role].log).read_text(errors="replace"))
+                    if line.role == role]
+
         _, meta = ask(PROMPT, 1)  # the tokenizer's count for PROMPT sizes the real prompt
         text = PROMPT * max(1, round(prompt_tokens / meta["prompt_tokens"]))
+        before = {role: len(cost_lines(role)) for role in ("prefill", "decode")}
         steps = []
         for _ in range(repeat):
             short, meta = ask(text, SHORT_ANSWER)
             long, _ = ask(text, SHORT_ANSWER + output_tokens)
             steps.append((long - short) / output_tokens)
-        return ClusterStep(steps, meta["prompt_tokens"], os.getloadavg()[0])
+        requests = 2 * repeat
+        in_situ = {}  # the servers' H8 time over the pairs, per request: means, as cost is summed
+        for role in ("decode", "prefill"):
+            lines = cost_lines(role)[before[role]:]
+            for op in dict.fromkeys(op for line in lines for op in line.cpu_us):
+                timed = [line for line in lines if op in line.cpu_us]  # one request (one send) each
+                in_situ[op] = InSitu(sum(line.wall_us[op] for line in timed) / requests / 1e6,
+                                     sum(line.cpu_us[op] for line in timed) / requests / 1e6,
+                                     sum(line.pages[op] for line in timed) / requests)
+        return ClusterStep(steps, meta["prompt_tokens"], os.getloadavg()[0], in_situ)
     finally:
         cluster.stop()
 
@@ -149,8 +179,19 @@ def main() -> None:
     parts = (("decode allocate", m.allocate_s), ("prefill stamp", m.stamp_s), ("decode check", m.check_s),
              ("decode release", m.release_s), ("decode's part (all but the stamp)", m.total_s - m.stamp_s),
              ("H8 in all, once per request", m.total_s))
-    rows = [(name, f"{s * 1e6:.1f}", f"{s / pages * 1e9:.1f}", *(f"{s / st * 100:.2f} %" for st in steps.values()))
-            for name, s in parts]
+
+    def row(name: str, s: float, ns_per_page: float) -> tuple[str, ...]:
+        return name, f"{s * 1e6:.1f}", f"{ns_per_page:.1f}", *(f"{s / st * 100:.2f} %" for st in steps.values())
+
+    rows = [row(name, s, s / pages * 1e9) for name, s in parts]
+    if real:  # what the servers' own cost lines say: the thread's CPU time, then the total's wall time
+        cost = real.in_situ
+        rows += [row(f"{'prefill' if op == 'stamp' else 'decode'} {op}, in the servers, cpu", c.cpu_s,
+                     c.cpu_s / c.pages * 1e9) for op, c in cost.items()]
+        request_pages = max(c.pages for c in cost.values())  # as above: the total over one request's pages
+        for clock in ("cpu", "wall"):
+            s = sum(getattr(c, f"{clock}_s") for c in cost.values())
+            rows.append(row(f"H8 in all, in the servers, {clock}", s, s / request_pages * 1e9))
     rows += [(f"decode step, {name}, once per token", f"{st * 1e6:.1f}", "",
               *("100 %" if n == name else "" for n in steps)) for name, st in steps.items()]
     print(f"one request, {args.prompt_tokens} tokens = {pages} pages of {args.page_size}; "

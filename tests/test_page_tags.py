@@ -22,7 +22,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_hardened.policy import load_limits
 from sglang_hardened.runtime.page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
+from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV, CostMeter, read_cost_lines
 
 DECODE_PAGES = 12
 PREFILL_PAGES = 6
@@ -39,6 +41,7 @@ class Req:
     room: int
     epoch: int
     table: list[int]  # decode's page table for the request (what the check reads)
+    allocated: list[int]  # the pages decode gave it (a stale index changes the table, not these)
     src: list[int]  # prefill pages holding its KV
 
 
@@ -68,7 +71,7 @@ class Harness:
         self.ref_expected[room] = epoch
         self.ref_tag.update(dict.fromkeys(pages))
         src = [(src_seed + i * 5) % PREFILL_PAGES for i in range(size)]
-        self.live[room] = Req(room, epoch, pages, src)
+        self.live[room] = Req(room, epoch, pages, list(pages), src)
 
     def new_request(self, size: int, src_seed: int) -> None:
         # Rooms are random 63-bit in SGLang; spread them to exercise the full int64 range.
@@ -92,9 +95,9 @@ class Harness:
 
     def release(self, req: Req, retract: bool) -> None:
         del self.live[req.room]
-        self.decode.release(req.room, req.table)
+        self.decode.release(req.room)  # the pages it was given, whatever its table says now
         self.ref_expected.pop(req.room, None)
-        self.ref_tag.update(dict.fromkeys(req.table))
+        self.ref_tag.update(dict.fromkeys(req.allocated))
         self.free.extend(req.table)
         self.gone.append(req)
         if retract:
@@ -239,3 +242,33 @@ def test_gpu_benchmark_runs_its_code_path_on_cpu_at_small_sizes(monkeypatch):
                                   pages_per_request=4, repeat=2)
     assert result.failures_caught == result.batch  # every request of the faulty batch was caught
     assert result.stamp_s > 0 and result.check_s > 0
+
+
+def test_the_cost_line_gives_each_operation_per_request_every_n_requests(caplog, monkeypatch):
+    monkeypatch.setenv(COST_EVERY_ENV, "2")
+    tags, prefill = DecodePageTags(8, fail_closed=False), TagBuffer(8, cost=CostMeter("prefill", "stamp", "send"))
+    with caplog.at_level(logging.INFO, logger="sglang_hardened"):
+        for room in (1, 2, 3):
+            pages = [2 * room - 2, 2 * room - 1]
+            epoch = tags.allocate(room, pages)
+            prefill.stamp(pages, room, epoch)
+            transfer(prefill, tags, pages, pages)
+            assert tags.check(room, pages) is None
+            tags.release(room)
+    [decode] = [line for line in read_cost_lines(caplog.text) if line.role == "decode"]  # 3 requests: one window
+    [send] = [line for line in read_cost_lines(caplog.text) if line.role == "prefill"]
+    assert decode.count == 2 and list(decode.wall_us) == ["allocate", "check", "release"]
+    assert send.count == 2 and list(send.wall_us) == ["stamp"]
+    assert decode.pages == {"allocate": 2, "check": 2, "release": 2} and send.pages == {"stamp": 2}
+    for line in (decode, send):
+        assert all(line.wall_us[op] > 0 and line.cpu_us[op] > 0 for op in line.pages)
+
+
+def test_the_cost_line_is_off_unless_asked_for(caplog, monkeypatch):
+    monkeypatch.delenv(COST_EVERY_ENV, raising=False)
+    assert load_limits("H8")["cost_report_every"] == 0
+    tags = DecodePageTags(8, fail_closed=False)
+    with caplog.at_level(logging.INFO, logger="sglang_hardened"):
+        tags.allocate(1, [0])
+        tags.release(1)
+    assert tags.cost.start() is None and not read_cost_lines(caplog.text)

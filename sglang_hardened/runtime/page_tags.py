@@ -16,17 +16,18 @@ no request carries (rooms are non-negative; epochs start at 1). Decode never
 stamps its own rows: only data that travelled can vouch for itself.
 
 The check is O(pages) integer work in one vectorised compare, on the KV
-pool's device; a batch of requests costs one device-to-host sync.
+pool's device, and one device-to-host sync per request.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from array import array
 from collections.abc import Sequence
 
 import torch
+
+from .page_tags_cost import CostMeter
 
 # Rows a request can never match: rooms are >= 0 and epochs start at 1.
 UNSTAMPED = -1
@@ -45,7 +46,8 @@ class TagBuffer:
     (ptr, nbytes, item_len) triple that SGLang's KV registration takes.
     """
 
-    def __init__(self, num_pages: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_pages: int, device: torch.device | str = "cpu", cost: CostMeter | None = None) -> None:
+        self.cost = cost  # prefill's: each stamp is timed
         self.rows = torch.full((num_pages, TAG_WORDS), UNSTAMPED, dtype=torch.int64, device=device)
         # Made once, not per call: every request reads the device, and slicing the (room, epoch)
         # columns per stamp would cost an op each.
@@ -57,16 +59,27 @@ class TagBuffer:
         return self.rows.data_ptr(), self.rows.nbytes, self.rows[0].nbytes
 
     def index(self, pages: Pages) -> torch.Tensor:
-        """Page indices as an int64 tensor on this buffer's device (no copy if already one)."""
+        """Page indices as an int64 tensor on this buffer's device (no copy if already one):
+        `index_fill_` takes nothing narrower."""
         return torch.as_tensor(pages, dtype=torch.int64, device=self.device)
+
+    def gather_index(self, pages: Pages) -> torch.Tensor:
+        """Page indices for `index_select`, which takes SGLang's int32 page tables as they are:
+        a tensor already fit is not touched (a conversion is one more torch call per request)."""
+        if isinstance(pages, torch.Tensor) and pages.dtype in (torch.int32, torch.int64) and pages.device == self.device:
+            return pages
+        return self.index(pages)
 
     def stamp(self, pages: Pages, room: int, epoch: int) -> None:
         """Prefill: write (room, epoch) into the rows of the pages about to be sent."""
+        start = self.cost.start() if self.cost is not None else None
         idx = self.index(pages)
         # Two scalar fills, not one index_put_ of a (room, epoch) row: the row would be a host
         # tensor per call (an H2D copy that syncs on CUDA), and is no faster on CPU.
         self._rooms.index_fill_(0, idx, room)
         self._epochs.index_fill_(0, idx, epoch)
+        if self.cost is not None:
+            self.cost.add("stamp", start, 1, len(idx))
 
     def clear(self, pages: Pages) -> None:
         """Reset rows to UNSTAMPED: whatever the page held no longer vouches for anyone."""
@@ -83,8 +96,8 @@ class DecodePageTags:
     Seams: `allocate` where decode preallocates a request's pages (the epoch goes
     to prefill with the page indices); `release` wherever decode frees a
     request's pages (finish, abort, retraction: a retracted request that comes
-    back is allocated again and gets a new epoch); `check_many` before the first
-    decode step of newly transferred requests; `admit` where decode admits a
+    back is allocated again and gets a new epoch); `check` before the first
+    decode step of a newly transferred request; `admit` where decode admits a
     request.
     """
 
@@ -93,58 +106,58 @@ class DecodePageTags:
         self.buffer = TagBuffer(num_pages, device)
         self.fail_closed = os.environ.get(FAIL_CLOSED_ENV) == "1" if fail_closed is None else fail_closed
         self.expected: dict[int, int] = {}
+        self._allocated: dict[int, torch.Tensor] = {}  # room -> its current allocation's pages, for release
         self._last_epoch = 0
         self.mismatched_requests = 0
         self.mismatched_pages = 0
         self.closed_reason: str | None = None
+        self.cost = CostMeter("decode", closing_op="release", unit="request")
 
     def allocate(self, room: int, pages: Pages) -> int:
         """Pages were just given to `room`: reset their rows, return the new epoch to send to prefill."""
+        start = self.cost.start()
         self._last_epoch += 1
         self.expected[room] = self._last_epoch
-        self.buffer.clear(pages)
+        self._allocated[room] = idx = self.buffer.index(pages)
+        self.buffer.clear(idx)
+        self.cost.add("allocate", start, 1, len(idx))
         return self._last_epoch
 
-    def release(self, room: int, pages: Pages) -> None:
-        """`room` gives its pages back (finished, aborted, retracted): a late write into them can
-        only carry this allocation's epoch, which nobody expects any more."""
+    def release(self, room: int) -> None:
+        """`room` gives its current allocation's pages back (finished, aborted, retracted): a late
+        write into them can only carry this allocation's epoch, which nobody expects any more."""
+        start = self.cost.start()
         self.expected.pop(room, None)
-        self.buffer.clear(pages)
+        idx = self._allocated.pop(room, None)
+        if idx is not None:
+            self.buffer.clear(idx)
+        self.cost.add("release", start, 1, 0 if idx is None else len(idx))
 
     def check(self, room: int, pages: Pages) -> str | None:
-        """None if every page carries (room, its current epoch); else the abort message."""
-        return self.check_many([(room, pages)])[0]
+        """None if every page carries (room, its current epoch); else the abort message.
 
-    def check_many(self, requests: Sequence[tuple[int, Pages]]) -> list[str | None]:
-        """`check` for a batch: one gather, one fused compare, one device-to-host sync.
-
-        The common case, every page matching, is decided by `torch.equal` over the
-        gathered rows and the expected rows; only a failed batch pays for counting
-        mismatches per request (on the host). Per-op overhead dominates at these
-        sizes, so the op count is what is kept small.
+        One gather and one `torch.equal` against the expected row broadcast over the
+        pages (the one device-to-host sync per request). Each torch call is fixed
+        overhead (2-3 us back to back, far more with cold caches in a live server:
+        docs/page-tags.md), so only a refusal pays for counting its bad pages.
         """
-        if not requests:
-            return []
-        device = self.buffer.device
-        idx = [self.buffer.index(pages) for _, pages in requests]
-        counts = [len(i) for i in idx]
-        # A room with no current allocation expects UNSTAMPED-1: no row can hold it. The (room,
-        # epoch) rows go through an int64 array: a third of torch.tensor's cost from a list.
-        words = array("q", [w for room, _ in requests for w in (room, self.expected.get(room, UNSTAMPED - 1))])
-        keys = torch.frombuffer(words, dtype=torch.int64).view(-1, TAG_WORDS).to(device)
-        got = self.buffer.rows.index_select(0, idx[0] if len(idx) == 1 else torch.cat(idx))
-        expect = (keys.expand_as(got) if len(idx) == 1 else
-                  keys.repeat_interleave(torch.tensor(counts, device=device), dim=0, output_size=len(got)))
-        if all(counts) and torch.equal(got, expect):
-            return [None] * len(requests)
-        bad = got.ne(expect).any(dim=1).tolist()
-        verdicts: list[str | None] = []
-        start = 0
-        for (room, _), n in zip(requests, counts):
-            n_bad = sum(bad[start:start + n])
-            start += n
-            verdicts.append(self._mismatch(room, n_bad, n) if n_bad or not n else None)
-        return verdicts
+        start = self.cost.start()
+        idx = self.buffer.gather_index(pages)
+        verdict = self._verdict(room, idx)
+        self.cost.add("check", start, 1, len(idx))
+        return verdict
+
+    def _verdict(self, room: int, idx: torch.Tensor) -> str | None:
+        """`check` on page indices already fit for the gather."""
+        if not len(idx):
+            return self._mismatch(room, 0, 0)
+        epoch = self.expected.get(room)
+        got = self.buffer.rows.index_select(0, idx)
+        # A room with no current allocation expects UNSTAMPED-1: no row can hold it.
+        expect = torch.tensor([room, UNSTAMPED - 1 if epoch is None else epoch], device=self.buffer.device)
+        if torch.equal(got, expect.expand_as(got)):
+            return None
+        return self._mismatch(room, int(got.ne(expect).any(dim=1).sum()), len(idx))
 
     def _mismatch(self, room: int, bad: int, pages: int) -> str:
         """Count one failed request, apply the policy, and say what failed."""

@@ -31,6 +31,7 @@ import torch
 
 from . import FAKE_BOOTSTRAP_HOST, abort_before_decode
 from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
+from .page_tags_cost import CostMeter
 
 FRAME_MAGIC = b"sglang-hardened-H8:"
 
@@ -52,7 +53,7 @@ def make_tags(manager) -> TagBuffer | None:
         log.info("sglang-hardened H8: decode page tags on, %d pages on %s; fail closed: %s (%s)",
                  pages, device, manager.hardened_tags.fail_closed, FAIL_CLOSED_ENV)
     else:
-        manager.hardened_tags = buffer = TagBuffer(pages, device)
+        manager.hardened_tags = buffer = TagBuffer(pages, device, CostMeter("prefill", closing_op="stamp", unit="send"))
     return buffer
 
 
@@ -150,7 +151,8 @@ def refuse_untagged(transfer_queue, decode_req) -> bool:
     slots = _page_table(transfer_queue, req, len(getattr(decode_req, "hardened_pages", ())), page_size)
     try:
         tags.admit()
-        reason = tags.check(req.bootstrap_room, slots[::page_size] // page_size)
+        # A page's index is its first slot over the page size; one-token pages are their slots.
+        reason = tags.check(req.bootstrap_room, slots if page_size == 1 else slots[::page_size] // page_size)
     except PageTagMismatch as closed:
         reason = str(closed)
     release(decode_req)
@@ -166,5 +168,5 @@ def release(decode_req) -> None:
     tags = _decode_tags(decode_req)
     room, epoch = decode_req.req.bootstrap_room, getattr(decode_req, "hardened_epoch", None)
     if tags is not None and epoch is not None and tags.expected.get(room) == epoch:
-        tags.release(room, decode_req.hardened_pages)  # not if the room has been allocated again since
+        tags.release(room)  # not if the room has been allocated again since
     decode_req.hardened_epoch = None
