@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -272,3 +273,25 @@ def test_the_cost_line_is_off_unless_asked_for(caplog, monkeypatch):
         tags.allocate(1, [0])
         tags.release(1)
     assert tags.cost.start() is None and not read_cost_lines(caplog.text)
+
+
+def test_a_stamp_made_while_another_worker_writes_the_cost_line_is_counted(caplog, monkeypatch):
+    monkeypatch.setenv(COST_EVERY_ENV, "2")
+    prefill = TagBuffer(8, cost=CostMeter("prefill", "stamp", "send"))
+    other_worker = threading.Thread(target=prefill.stamp, args=([5], 5, 1))  # SGLang runs one per transfer queue
+
+    class StampWhileWriting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not other_worker.is_alive() and other_worker.ident is None:
+                other_worker.start()
+                other_worker.join(timeout=2)  # a worker blocked on this line's lock would hang it
+
+    handler = StampWhileWriting()
+    logging.getLogger("sglang_hardened").addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="sglang_hardened"):
+            for room in range(3):  # the second ends the first window; the other worker stamps meanwhile
+                prefill.stamp([room], room, 1)
+    finally:
+        logging.getLogger("sglang_hardened").removeHandler(handler)
+    assert [line.count for line in read_cost_lines(caplog.text)] == [2, 2]  # its stamp opened the next window

@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import re
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -54,12 +55,17 @@ class OpCost:
 
 
 class CostMeter:
-    """Sums one side's tag operations and logs their means every `every` `unit`s (request, send)."""
+    """Sums one side's tag operations and logs their means every `every` `unit`s (request, send).
+
+    Prefill's transfer workers (one thread per queue) stamp at once: the sums and
+    the window's end are under a lock, taken only while metering.
+    """
 
     def __init__(self, role: str, closing_op: str, unit: str, every: int | None = None) -> None:
         self.role, self.closing_op, self.unit = role, closing_op, unit
         self.every = cost_report_every() if every is None else every
         self.ops: defaultdict[str, OpCost] = defaultdict(OpCost)
+        self._lock = threading.Lock()
 
     def start(self) -> Start:
         """Read the clocks before an operation (nothing when off)."""
@@ -69,14 +75,18 @@ class CostMeter:
         """`op` ran from `start` until now, for these requests and pages."""
         if start is None:
             return
-        cost = self.ops[op]
-        cost.cpu_ns += time.thread_time_ns() - start[1]
-        cost.wall_ns += time.perf_counter_ns() - start[0]
-        cost.requests += requests
-        cost.pages += pages
-        if op == self.closing_op and cost.requests >= self.every:  # after the op: its time is in
-            log.info("%s", self.line())
+        cpu_ns, wall_ns = time.thread_time_ns() - start[1], time.perf_counter_ns() - start[0]
+        with self._lock:
+            cost = self.ops[op]
+            cost.cpu_ns += cpu_ns
+            cost.wall_ns += wall_ns
+            cost.requests += requests
+            cost.pages += pages
+            if op != self.closing_op or cost.requests < self.every:  # closed after the op: its time is in
+                return
+            line = self.line()
             self.ops.clear()
+        log.info("%s", line)
 
     def line(self) -> str:
         """The window's means, e.g. `sglang-hardened H8 cost (decode, 1000 requests): allocate
