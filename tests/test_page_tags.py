@@ -265,6 +265,13 @@ def test_the_cost_line_gives_each_operation_per_request_every_n_requests(caplog,
         assert all(line.wall_us[op] > 0 and line.cpu_us[op] > 0 for op in line.pages)
 
 
+@pytest.mark.parametrize("value", ["-1", "ten", ""])
+def test_a_bad_cost_line_setting_stops_start_up_naming_it(monkeypatch, value):
+    monkeypatch.setenv(COST_EVERY_ENV, value)
+    with pytest.raises(ValueError, match=f"{COST_EVERY_ENV}={value!r}: give a whole number"):
+        DecodePageTags(8)
+
+
 def test_the_cost_line_is_off_unless_asked_for(caplog, monkeypatch):
     monkeypatch.delenv(COST_EVERY_ENV, raising=False)
     assert load_limits("H8")["cost_report_every"] == 0

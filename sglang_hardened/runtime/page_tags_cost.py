@@ -40,8 +40,14 @@ def _default_every() -> int:
 
 
 def cost_report_every() -> int:
-    """Requests per cost line in this process: the env var, else the policy's default; 0 is off."""
-    return int(os.environ.get(COST_EVERY_ENV, _default_every()))
+    """Requests per cost line in this process: the env var, else the policy's default; 0 is off.
+    Read when the tags are made (server start-up), so a bad value stops the server there."""
+    raw = os.environ.get(COST_EVERY_ENV)
+    if raw is None:
+        return _default_every()
+    if not raw.strip().isdigit():
+        raise ValueError(f"{COST_EVERY_ENV}={raw!r}: give a whole number of requests per H8 cost line (0 = off)")
+    return int(raw)
 
 
 @dataclass
