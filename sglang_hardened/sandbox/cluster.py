@@ -28,6 +28,7 @@ from .oracle import Reply, generate
 
 MARKER = "SGLANG_HARDENED_SANDBOX"
 BIND_FAILED = "address already in use"
+WAIT_POLL_S = 0.25  # start-up readiness polls: /health is cheap, and every start waits on several
 
 # CUDA graphs off: 0.5.19 has only the disable flags; 0.5.20 on name backends.
 _BACKENDS_DISABLED = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
@@ -262,6 +263,9 @@ def _server_cmd(env: SandboxEnv, p: ClusterParams, model: Path, role: str, port:
            "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "float32",
            *CUDA_GRAPHS_OFF[p.base], "--context-length", str(_context_length(p, role)), "--page-size", str(p.page_size),
            "--disaggregation-mode", role, "--disaggregation-transfer-backend", BACKENDS[p.backend],
+           # an idle scheduler otherwise spins a whole core; it parks only while it has no batch, queue,
+           # transfer or deferred release (upstream's is_fully_idle), waking on the next request
+           "--sleep-on-idle",
            # without it the CPU pool is sized from host RAM and decode is killed for memory
            "--max-total-tokens", str(p.prefill_pool_tokens if role == "prefill" else p.decode_pool_tokens)]
     if p.chunked_prefill_size:
@@ -283,6 +287,9 @@ def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str) -> dict[str, str]
         "HF_HUB_OFFLINE": "1",  # a missing model dir must fail, not try the hub
         "TRANSFORMERS_OFFLINE": "1",
         "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS": "0",  # no CUDA: a crash need not wait 60 s
+        # nor sleep 5 s "to let GPU activity settle" before diagnostics a CPU box cannot take (every stop)
+        "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
+        "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     })
@@ -356,8 +363,14 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
                 cmd += ["--disaggregation-bootstrap-port", str(bp)]
             pid, log = _spawn(role, cmd, child_env, run_dir)
             cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port, cmd)
+        # mini-lb reaches the servers only per request, so it loads (it imports sglang) beside them;
+        # ours checks their health at start and then every 5 s, so it starts once they are healthy
+        lb_first = params.lb == "mini-lb"
+        if lb_first:
+            _start_lb(cluster, env, params.lb, "lb", lp)
         _wait(cluster, ["prefill", "decode"], t0 + deadline_s, _healthy)
-        _start_lb(cluster, env, params.lb, "lb", lp)
+        if not lb_first:
+            _start_lb(cluster, env, params.lb, "lb", lp)
         _wait(cluster, ["lb"], t0 + deadline_s, _serves if params.probe_transfer else _healthy)
     except BaseException:
         cluster.stop()
@@ -368,12 +381,14 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
 
 
 def _start_lb(cluster: Cluster, env: SandboxEnv, kind: str, name: str, port: int) -> None:
-    """mini-lb runs in the SGLang environment it ships with; ours in the tool's own (this
-    interpreter), as an operator runs it: never on the SGLang environment's path."""
+    """mini-lb runs from the sglang-router package pinned with the SGLang environment, ours from
+    the tool's own (this interpreter), each as an operator's router runs: without the SGLang wheel
+    on its path (mini-lb imports SGLang only for tracing, which is off: 5 CPU-seconds a start)."""
     if kind == "mini-lb":
         cmd = [str(env.python), "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
                "--prefill", cluster.prefill_url, str(cluster.bootstrap_port)]
         child_env = _child_env(env, cluster.params, cluster.run_id)
+        child_env.pop("PYTHONPATH")
     else:
         cmd = [sys.executable, "-m", "sglang_hardened", "lb", "--prefill", f"{cluster.prefill_url},{cluster.bootstrap_port}"]
         child_env = {**os.environ, MARKER: cluster.run_id}
@@ -405,4 +420,4 @@ def _wait(cluster: Cluster, names: list[str], deadline: float, ready: Callable[[
         if pending and time.monotonic() > deadline:
             raise SandboxError(f"{', '.join(pending)} not ready before the deadline\n{cluster.log_tails()}")
         if pending:
-            time.sleep(1)
+            time.sleep(WAIT_POLL_S)
