@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 from types import ModuleType
 
@@ -19,6 +20,8 @@ from sglang_hardened.build import build
 from sglang_hardened.lock import load_lock
 from sglang_hardened.paths import patches_dir
 from sglang_hardened.series import copy_without
+from sglang_hardened.table import format_table
+from tests.budget import STARTED_ENV, Spent, load_budget, overruns
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -128,9 +131,16 @@ def run_cli():
     return run
 
 
-# --- per-phase timings and sandbox log tails (the e2e harness) ---
+# --- per-phase timings, the suite's budget and sandbox log tails (the e2e harness) ---
 
 TIMINGS: list[tuple[str, float]] = []
+# Phase kinds (a phase's name starts with its kind): building sandbox environments, which a warm
+# cache skips, and the starts the budget counts.
+SETUP_KINDS = ("wheels", "env", "model")
+CLUSTER_START, SERVER_RESTART = "cluster start", "server restart"
+MODULE_SECONDS: dict[str, float] = {}
+SESSION: list[pytest.Session] = []  # the running session, whose exit status an overrun fails
+SUITE_STARTED = os.environ.pop(STARTED_ENV, None)  # read once: a pytest a test starts is no whole suite
 
 
 def eventually(pred, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
@@ -154,11 +164,51 @@ def phase(name: str) -> Iterator[None]:
         TIMINGS.append((name, time.monotonic() - start))
 
 
+def _kind(name: str) -> str:
+    return next((k for k in (CLUSTER_START, SERVER_RESTART, *SETUP_KINDS) if name.startswith(k)), name.split()[0])
+
+
+def spent(run_seconds: float) -> Spent:
+    """This run's use of the budget, from its phases."""
+    return Spent(run_seconds=round(run_seconds), setup_seconds=round(sum(s for n, s in TIMINGS if _kind(n) in SETUP_KINDS)),
+                 cluster_starts=sum(_kind(n) == CLUSTER_START for n, _ in TIMINGS),
+                 server_restarts=sum(_kind(n) == SERVER_RESTART for n, _ in TIMINGS))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    SESSION.append(session)
+
+
+def pytest_runtest_logreport(report) -> None:
+    module = report.nodeid.split("::")[0]
+    MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
+    write = terminalreporter.write_line
     if TIMINGS:
         terminalreporter.section("per-phase times")
         for name, seconds in TIMINGS:
-            terminalreporter.write_line(f"{seconds:8.1f}s  {name}")
+            write(f"{seconds:8.1f}s  {name}")
+        kinds: dict[str, list[float]] = {}
+        for name, seconds in TIMINGS:
+            kinds.setdefault(_kind(name), []).append(seconds)
+        write("\n" + format_table(("phase kind", "count", "seconds"), [
+            (k, str(len(v)), f"{sum(v):.0f}") for k, v in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))]))
+    if MODULE_SECONDS:
+        terminalreporter.section("per-module times (setup, call, teardown)")
+        write(format_table(("module", "seconds"), [(m, f"{s:.0f}") for m, s in sorted(
+            MODULE_SECONDS.items(), key=lambda kv: -kv[1]) if s >= 1.0]))
+    if SUITE_STARTED:  # a whole-suite run: hold it to the budget
+        used, budget = spent(time.time() - float(SUITE_STARTED)), load_budget()
+        terminalreporter.section("budget (tests/budget.toml)")
+        write(format_table(("line", "spent", "budget"), [
+            (f.name, f"{getattr(used, f.name):g}", f"{getattr(budget, f.name):g}") for f in fields(Spent)]))
+        over = overruns(used, budget)
+        for line in over:
+            terminalreporter.write_line(f"OVER BUDGET {line}", red=True, bold=True)
+        if over:
+            SESSION[0].exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(hookwrapper=True)

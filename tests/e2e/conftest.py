@@ -12,7 +12,7 @@ from sglang_hardened.sandbox.env import SandboxEnv, build_env, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
 from sglang_hardened.sandbox.oracle import Reply
 from sglang_hardened.table import format_table
-from tests.conftest import phase
+from tests.conftest import CLUSTER_START, SERVER_RESTART, phase
 
 OVERLAY = Path(__file__).parents[1] / "cpu_overlay"
 PORTS_USED: list[int] = []  # every port a cluster of this session held
@@ -43,11 +43,17 @@ def launch(env: SandboxEnv, model: str = "tiny", **params) -> sbc.Cluster:
     """Start a cluster (of a model variant), timed as a phase, its ports kept for the
     leftovers check; the caller stops it."""
     p = sbc.ClusterParams(base=env.base, **params)
-    with phase(f"cluster start {p.base} {p.backend}"):
+    with phase(f"{CLUSTER_START} {p.base} {p.backend}"):
         c = sbc.start(env, p, ensure_model(env, model))
     PORTS_USED.extend(proc.port for proc in c.procs.values())
     PORTS_USED.append(c.bootstrap_port)
     return c
+
+
+def restart(cluster: sbc.Cluster, role: str, env: SandboxEnv) -> None:
+    """Restart one server of a cluster in place, timed as a phase (the budget counts them)."""
+    with phase(f"{SERVER_RESTART} {role} {cluster.params.base} {cluster.params.backend}"):
+        cluster.restart(role, env)
 
 
 @pytest.fixture

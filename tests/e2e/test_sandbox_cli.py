@@ -11,7 +11,7 @@ import pytest
 
 from sglang_hardened.sandbox.cluster import marked_pids, port_in_use
 from sglang_hardened.sandbox.oracle import generate
-from tests.conftest import REPO, phase
+from tests.conftest import CLUSTER_START, REPO, phase
 
 pytestmark = pytest.mark.e2e
 CLI = [sys.executable, "-c", "from sglang_hardened.sandbox.cli import sandbox; sandbox()"]
@@ -22,7 +22,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_sandbox_up_status_down():
-    with phase("sandbox cli up 0.5.23"):
+    with phase(f"{CLUSTER_START} 0.5.23 mooncake (sandbox up)"):
         up = cli("up", "--base", "0.5.23", "--prefill-pool-tokens", "300", "--page-size", "4",
                  "--waiting-timeout", "30")
     try:
