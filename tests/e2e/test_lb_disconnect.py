@@ -1,5 +1,5 @@
 """`sglang-hardened lb` in front of upstream 0.5.19 (whose decode frees an aborted request's
-pages at once, mid-transfer: test_abort_safety): a client that hangs up at any phase leaves
+pages at once, mid-transfer: test_fault_matrix's client hang-up): a client that hangs up at any phase leaves
 no page leaked and no write landing in a freed page, judged by the page ledger.
 
 The ledger slows each large write call (tests/cpu_overlay/site/sgl_ledger.py), so the
