@@ -63,27 +63,48 @@ class Overlay:
     def site(self) -> Path:
         return self.root / "site"
 
-    def edits(self) -> list[dict[str, str]]:
+    def edits(self) -> list[dict]:
         return tomllib.loads((self.root / "edits.toml").read_text())["edit"]
 
     def digest(self, of_sglang: bool) -> str:
         """Hash of the edits to SGLang's files, or to its dependencies' (``site/`` is used
-        in place): a new SGLang edit must not rebuild the 3 GB shared venv."""
-        return _key(*(json.dumps(e, sort_keys=True) for e in self.edits()
+        in place): a new SGLang edit must not rebuild the 3 GB shared venv. ``bases`` says
+        where an edit must apply, not what it writes, so it is left out."""
+        return _key(*(json.dumps({k: v for k, v in e.items() if k != "bases"}, sort_keys=True) for e in self.edits()
                       if e["file"].startswith("sglang/") == of_sglang))
 
-    def apply(self, site: Path) -> list[str]:
-        """Apply the edits whose file lives under ``site``; return what was applied."""
+    def meant_for(self, site: Path, base: str | None) -> list[dict]:
+        """The edits that must apply to ``site``: those whose package it holds, on the bases
+        an edit lists (every base when it lists none; ``base`` None, an environment every
+        base shares: only edits that list none)."""
+        return [e for e in self.edits() if (site / e["file"].split("/")[0]).is_dir() and base in e.get("bases", [base])]
+
+    def apply(self, site: Path, base: str | None, build: str) -> list[str]:
+        """Apply every edit meant for ``site``; return what was applied. An edit whose text is
+        not there fails the build, naming it: instrumentation that silently did not apply
+        would leave a build without its ledger or fault hooks, and its checks empty."""
         applied = []
-        for e in self.edits():
+        for e in self.meant_for(site, base):
             target = site / e["file"]
-            if not target.is_file():
-                continue
-            text = target.read_text()
-            if e["old"] in text:
-                target.write_text(text.replace(e["old"], e["new"]))
-                applied.append(f"{e['file']}: {e['why']}")
+            text = target.read_text() if target.is_file() else ""
+            if e["old"] not in text:
+                raise SandboxError(f"overlay edit {e['why']!r} does not apply to {e['file']} in {build}: "
+                                   f"{'its text is not there' if text else 'no such file'} (fix the edit, or its "
+                                   f"`bases` in {self.root / 'edits.toml'})")
+            target.write_text(text.replace(e["old"], e["new"]))
+            applied.append(_label(e))
         return applied
+
+    def check_applied(self, site: Path, base: str | None, build: str, applied: list[str]) -> None:
+        """A cached environment's record of what was applied must be what is meant for it now."""
+        missing = [_label(e) for e in self.meant_for(site, base) if _label(e) not in applied]
+        if missing:
+            raise SandboxError(f"{build} ({site}) was built without overlay edits meant for it: {missing}; "
+                               "remove that folder to rebuild it")
+
+
+def _label(edit: dict) -> str:
+    return f"{edit['file']}: {edit['why']}"
 
 
 @dataclass(frozen=True)
@@ -162,9 +183,10 @@ def _common(overlay: Overlay, log: Path) -> Path:
         _run([_python311(), "-m", "venv", str(d)], log)
         py = str(d / "bin" / "python")
         _run(_pip(py, "-r", str(pins)), log)
-        return {"overlay": overlay.apply(_site_packages(d))}
+        return {"overlay": overlay.apply(_site_packages(d), None, "the shared venv")}
 
-    _built(dest, {"pins": str(pins), "overlay": str(overlay.root)}, build)
+    info = _built(dest, {"pins": str(pins), "overlay": str(overlay.root)}, build)
+    overlay.check_applied(_site_packages(dest), None, "the shared venv", info.get("overlay", []))
     return dest
 
 
@@ -172,14 +194,18 @@ def _site_packages(venv: Path) -> Path:
     return venv / "lib" / f"python{PYTHON_VERSION}" / "site-packages"
 
 
-def _target(python: Path, name: str, key: str, args: list[str], overlay: Overlay, log: Path) -> Path:
+def _target(python: Path, name: str, key: str, args: list[str], overlay: Overlay, log: Path,
+            base: str | None, build_name: str) -> Path:
+    """A ``pip --target`` dir for ``args``, the overlay's edits meant for it applied (``base``,
+    ``build_name``: which build it is, for the edits and their errors)."""
     dest = cache_dir() / "envs" / f"{name}-{key}"
 
     def build(d: Path) -> dict:
         _run(_pip(str(python), "--target", str(d), *args), log)
-        return {"overlay": overlay.apply(d)}
+        return {"overlay": overlay.apply(d, base, build_name)}
 
-    _built(dest, {"args": " ".join(args)}, build)
+    info = _built(dest, {"args": " ".join(args)}, build)
+    overlay.check_applied(dest, base, build_name, info.get("overlay", []))
     return dest
 
 
@@ -214,11 +240,12 @@ def build_env(base: str, wheels: list[Path], overlay: Path) -> SandboxEnv:
     common = _common(ov, log)
     python = common / "bin" / "python"
     layers = []
-    for name in (base, "nixl"):  # the base's own pins, then the NIXL backend (shared)
+    for name, layer_base in ((base, base), ("nixl", None)):  # the base's own pins, then the NIXL backend (shared)
         pins = PINS / f"{name}.txt"
-        layers.append(_target(python, f"layer-{name}", _key(pins.read_bytes(), ov.digest(of_sglang=False)), ["-r", str(pins)], ov, log))
+        layers.append(_target(python, f"layer-{name}", _key(pins.read_bytes(), ov.digest(of_sglang=False)),
+                              ["-r", str(pins)], ov, log, layer_base, f"the {name} layer"))
     wheel_key = _key(*(sha256_file(w) for w in wheels), ov.digest(of_sglang=True))
-    sglang = _target(python, "sglang", wheel_key, [str(w) for w in wheels], ov, log)
+    sglang = _target(python, "sglang", wheel_key, [str(w) for w in wheels], ov, log, base, f"the build of {wheels[0].name}")
     return SandboxEnv(base=base, python=python, path=(ov.site, sglang, *layers))
 
 
