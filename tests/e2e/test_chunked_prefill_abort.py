@@ -20,7 +20,7 @@ import pytest
 
 from .conftest import launch, sandbox_env
 from .ledger import Ledger, wait_for, writer
-from .scenarios import SAFE_PARAMS, bootstrap_fields, core, post, prompt_of, wait_pages_idle
+from .scenarios import SAFE_PARAMS, bootstrap_fields, core, post, prompt_of, upstream_only, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
 PAGE_HUNGRY = "value secret tenant " * 313  # 940 tokens: needs the aborted request's pages
@@ -28,8 +28,12 @@ LONG = prompt_of(600)  # about 19 chunks of 32 tokens: the abort lands while pre
 SLOW_S = 6
 
 
-@pytest.mark.parametrize("hardened", [False, True], ids=["upstream", "hardened"])
-@pytest.mark.parametrize("base, backend", core())
+# Upstream releases the aborted request's pages on every base: CI shows it on 0.5.23.
+CASES = [(*pair, False) for pair in upstream_only([("0.5.23", "mooncake")])] + [(*pair, True) for pair in core()]
+
+
+@pytest.mark.parametrize("base, backend, hardened", CASES,
+                         ids=[f"{b}-{k}-{'hardened' if h else 'upstream'}" for b, k, h in CASES])
 def test_abort_during_chunked_prefill_keeps_the_pages_a_write_reads(base, backend, hardened, tmp_path):
     folder = tmp_path / "ledger"
     folder.mkdir()
