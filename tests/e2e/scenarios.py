@@ -115,6 +115,13 @@ def replies(verdict: Verdict) -> list[Reply]:
     return [r for rs in verdict.replies.values() for r in rs]
 
 
+def shows_nothing_decoded(verdict: Verdict) -> bool:
+    """Every reply is a refusal whose body carries no decoded output (no ids, no text), so no
+    other tenant's KV can reach the client through it (the oracle compares outputs, and
+    refusals have none to compare)."""
+    return all(r.status != 200 and '"output_ids"' not in r.body and '"text"' not in r.body for r in replies(verdict))
+
+
 def prompt_tokens(reply: Reply) -> int:
     return json.loads(reply.body)["meta_info"]["prompt_tokens"]
 
