@@ -130,3 +130,21 @@ def test_a_nixl_hold_with_the_drain_ends_only_at_the_ack_or_a_gone_prefill(liste
     assert eventually(lambda: release_guard.writers_settled(mooncake))
     assert eventually(lambda: release_guard.writers_settled(old_nixl))
     assert not eventually(lambda: release_guard.writers_settled(nixl), timeout_s=1.5)
+
+
+def test_a_hold_its_ack_ended_is_forgotten(monkeypatch):
+    """A room logged as held past its timeout stayed in the guard's memory for ever when the
+    drain ack, not the guard, ended the hold (the seam is then never asked about it again):
+    one entry per such room, for the server's life. A room the seam stopped asking about is
+    forgotten once ``FORGET_S`` has passed."""
+    clock = [1000.0]
+    monkeypatch.setattr(release_guard, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=time.sleep))
+    monkeypatch.setattr(release_guard, "_watch", SimpleNamespace(settled=lambda endpoints, running_for_s: False))
+    monkeypatch.setattr(release_guard, "process_release_timeout_s", lambda: 30.0)
+    monkeypatch.setattr(release_guard, "_held", type(release_guard._held)())
+    stalled = [{"rank_ip": "127.0.0.1", "rank_port": 1}]
+    for room in range(100):  # held past the timeout, then acked: never asked about again
+        assert not release_guard.writers_settled(SimpleNamespace(bootstrap_room=room, bootstrap_infos=stalled))
+    clock[0] += 120.0
+    assert not release_guard.writers_settled(SimpleNamespace(bootstrap_room=100, bootstrap_infos=stalled))
+    assert len(release_guard._held) == 1

@@ -115,7 +115,12 @@ class PeerWatch:
 
 
 _watch = PeerWatch()
-_held: set[int] = set()  # rooms reported held past their timeout
+# Rooms reported held past their timeout, and when the seam last asked about each: a hold its
+# drain ack ends is never asked about again (upstream frees the pages without the seam), so a
+# room not asked about for FORGET_S is forgotten; the scheduler asks about a held room on every
+# pass of its loop (at least once a second), so only ended holds are ever that quiet.
+_held: dict[int, float] = {}
+FORGET_S = 60.0
 
 
 def _running_proves_drained(receiver) -> bool:
@@ -133,17 +138,19 @@ def writers_settled(receiver) -> bool:
     """
     endpoints = [(str(i["rank_ip"]), int(i["rank_port"])) for i in (getattr(receiver, "bootstrap_infos", None) or ())]
     room, where = receiver.bootstrap_room, " ".join(f"{h}:{p}" for h, p in endpoints)
+    now = time.monotonic()
+    for ended in [r for r, asked in _held.items() if now - asked > FORGET_S]:
+        del _held[ended]
     bounded = _running_proves_drained(receiver)
     running_for_s = process_release_timeout_s() if bounded else float("inf")
     if _watch.settled(endpoints, running_for_s=running_for_s):
-        if room in _held:
-            _held.discard(room)
+        if _held.pop(room, None) is not None:
             log.warning("sglang-hardened H5: room %s: prefill %s is gone or running again; its held KV pages go back",
                         room, where)
         return True
     if room not in _held:
-        _held.add(room)
         log.warning("sglang-hardened H5: room %s: no drain ack by the release timeout; its KV pages stay held until "
                     "prefill %s %s (a stalled prefill still writes when it resumes)", room, where,
                     "acks, is gone, or has run for another timeout" if bounded else "acks or is gone")
+    _held[room] = now
     return False
