@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import HardenedError
 
@@ -51,8 +51,17 @@ class HunkFailed(HardenedError):
 
 
 def _strip(path: str) -> str:
+    """The -p1 path of a header, refused unless it names a file inside the tree (a patch
+    must not write outside the wheel it hardens)."""
     path = path.split("\t", 1)[0].strip()
-    return path if path == DEV_NULL else path.split("/", 1)[1]
+    if path == DEV_NULL:
+        return path
+    if "/" not in path:
+        raise HardenedError(f"patch path {path!r} has no a/ or b/ prefix to strip")
+    rel = path.split("/", 1)[1]
+    if not rel or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
+        raise HardenedError(f"patch path {path!r} is not a file inside the tree")
+    return rel
 
 
 def parse(diff: str) -> list[FilePatch]:

@@ -61,3 +61,20 @@ def test_creates_a_new_file_and_honours_missing_final_newline(tmp_path):
     diff = "--- /dev/null\n+++ b/pkg/new.py\n@@ -0,0 +1,2 @@\n+one\n+two\n\\ No newline at end of file\n"
     unidiff.apply(tmp_path, diff)
     assert (tmp_path / "pkg/new.py").read_text() == "one\ntwo"
+
+
+@pytest.mark.parametrize("header, why", [
+    ("b/{outside}", "not a file inside the tree"),  # b//tmp/x: an absolute path after the prefix
+    ("b/../escaped.py", "not a file inside the tree"),
+    ("f.py", "no a/ or b/ prefix"),
+])
+def test_a_patch_path_outside_the_tree_is_refused(tmp_path, header, why):
+    """Patch targets stay under the tree: an absolute path after the prefix, `..`, or a path
+    with no prefix (which raised IndexError) is refused naming the path, and nothing is written."""
+    tree, outside = tmp_path / "tree", tmp_path / "outside.py"
+    tree.mkdir()
+    header = header.format(outside=outside)
+    diff = f"--- /dev/null\n+++ {header}\n@@ -0,0 +1 @@\n+written\n"
+    with pytest.raises(unidiff.HardenedError, match=why):
+        unidiff.apply(tree, diff)
+    assert not outside.exists() and not (tmp_path / "escaped.py").exists()
