@@ -297,3 +297,30 @@ def test_routing_policy_from_an_installed_entry_point(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert isinstance(load_policy("pinned"), Pinned)
     assert load_policy("round-robin").choose([1, 2], [3, 4], {}) == (1, 3)
+
+
+def test_a_batch_rid_is_never_the_prefix_of_another():
+    """SGLang's /abort_request aborts every rid that starts with the one given: a batch of 11
+    named lb-X-1 and lb-X-10, and aborting the first aborted the eleventh too."""
+    from sglang_hardened.lb.protocol import forwarded
+    from sglang_hardened.lb.workers import Worker
+
+    rids = forwarded("generate", {"text": ["t"] * 11}, Worker("prefill", "http://127.0.0.1:1", 2)).rids
+    assert len(set(rids)) == 11
+    assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
+
+
+def test_rooms_do_not_follow_from_the_random_module_state():
+    """Bootstrap rooms came from `random`, whose state an observer can recover: the same state
+    gave the same rooms."""
+    import random
+
+    from sglang_hardened.lb.protocol import forwarded
+    from sglang_hardened.lb.workers import Worker
+
+    prefill = Worker("prefill", "http://127.0.0.1:1", 2)
+    rooms = []
+    for _ in range(2):
+        random.seed(7)
+        rooms.append(forwarded("generate", {"text": "t"}, prefill).payload["bootstrap_room"])
+    assert rooms[0] != rooms[1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import random
+import secrets
 import uuid
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -81,12 +81,15 @@ def forwarded(route: str, payload: dict, prefill: Worker) -> Forwarded:
     rid = f"lb-{uuid.uuid4().hex}"
     n = batch_size(route, payload)
     host = bootstrap_host(prefill.url)
+    # Rooms from the OS's generator: `random`'s state can be recovered from its outputs, and a
+    # known room lets anyone on the bootstrap port speak for another tenant's transfer.
     if n is None:
         rids: tuple[str, ...] = (rid,)
         fields = {"rid": rid, "bootstrap_host": host, "bootstrap_port": prefill.bootstrap_port,
-                  "bootstrap_room": random.getrandbits(63)}
+                  "bootstrap_room": secrets.randbits(63)}
     else:
-        rids = tuple(f"{rid}-{i}" for i in range(n))
+        # one width for a batch's indices: SGLang aborts by rid prefix, and lb-X-1 prefixes lb-X-10
+        rids = tuple(f"{rid}-{i:0{len(str(n - 1))}d}" for i in range(n))
         fields = {"rid": list(rids), "bootstrap_host": [host] * n, "bootstrap_port": [prefill.bootstrap_port] * n,
-                  "bootstrap_room": [random.getrandbits(63) for _ in range(n)]}
+                  "bootstrap_room": [secrets.randbits(63) for _ in range(n)]}
     return Forwarded({**payload, **fields}, rids)
