@@ -26,6 +26,12 @@ from aiohttp import web
 from sglang_hardened.lb.routing import ENTRY_POINT_GROUP, load_policy
 from sglang_hardened.sandbox.cluster import free_port
 
+# Times are bounds tied to what the stand-ins and the lb are configured with, not to the
+# host's speed: "at once" is "well before the slow role would have answered".
+SLOW_S = 20  # a stand-in role that answers late
+GRACE_S = 5  # the lb's --transfer-grace
+STREAM_EVENTS, STREAM_GAP_S = 100, 0.1  # a 10 s decode stream
+
 
 @dataclass
 class Role:
@@ -162,7 +168,7 @@ def rig(request):
     """(stands, lb) for the Role pair the test passes via indirect params."""
     prefill, decode = request.param
     stands = Stands(prefill, decode)
-    lb = Lb([prefill.url], [decode.url], "--max-body-bytes", "4096", "--transfer-grace", "5")
+    lb = Lb([prefill.url], [decode.url], "--max-body-bytes", "4096", "--transfer-grace", str(GRACE_S))
     yield stands, lb
     lb.stop()
     stands.close()
@@ -189,11 +195,11 @@ def test_malformed_requests_get_4xx_and_reach_no_worker(rig):
     assert sent["rid"].startswith("lb-") and sent["bootstrap_host"] == "127.0.0.1" and sent["bootstrap_port"] == 8998
 
 
-@roles(Role(status=400, events=[{"error": {"message": "too long", "code": 400}}]), Role(delay_s=20))
+@roles(Role(status=400, events=[{"error": {"message": "too long", "code": 400}}]), Role(delay_s=SLOW_S))
 def test_prefill_400_reaches_the_client_at_once_and_decode_is_aborted(rig):
     stands, lb = rig
     status, body, seconds = post(lb.url, b'{"text": "x"}')
-    assert (status, json.loads(body)["error"]["message"]) == (400, "too long") and seconds < 3
+    assert (status, json.loads(body)["error"]["message"]) == (400, "too long") and seconds < SLOW_S / 2
     decode = stands.roles["decode"]
     deadline = time.monotonic() + 5
     while not decode.aborts and time.monotonic() < deadline:
@@ -202,22 +208,22 @@ def test_prefill_400_reaches_the_client_at_once_and_decode_is_aborted(rig):
     assert stands.roles["prefill"].aborts == []
 
 
-@roles(Role(events=[{"error": {"message": "bad input", "code": 422}}]), Role(delay_s=20))
+@roles(Role(events=[{"error": {"message": "bad input", "code": 422}}]), Role(delay_s=SLOW_S))
 def test_streaming_error_event_from_prefill_becomes_the_status(rig):
     _, lb = rig
     status, body, seconds = post(lb.url, b'{"text": "x", "stream": true}')
-    assert (status, json.loads(body)["error"]["code"]) == (422, 422) and seconds < 3
+    assert (status, json.loads(body)["error"]["code"]) == (422, 422) and seconds < SLOW_S / 2
 
 
-@roles(Role(delay_s=20), Role(status=503, events=[{"error": "decode full"}]))
+@roles(Role(delay_s=SLOW_S), Role(status=503, events=[{"error": "decode full"}]))
 def test_decode_error_first_wins_and_prefill_is_left_to_finish(rig):
     stands, lb = rig
     status, body, seconds = post(lb.url, b'{"text": "x"}')
-    assert (status, json.loads(body)) == (503, {"error": "decode full"}) and seconds < 3
+    assert (status, json.loads(body)) == (503, {"error": "decode full"}) and seconds < SLOW_S / 2
     assert stands.roles["prefill"].aborts == []
 
 
-@roles(Role(delay_s=3), Role(delay_s=30))
+@roles(Role(delay_s=3), Role(delay_s=SLOW_S))
 def test_disconnect_before_the_send_ended_waits_for_prefill_then_aborts_decode(rig):
     stands, lb = rig
     send_and_leave(lb.url, {"text": "x"}, after_s=0.5)
@@ -230,20 +236,20 @@ def test_disconnect_before_the_send_ended_waits_for_prefill_then_aborts_decode(r
     assert prefill.aborts == []
 
 
-@roles(Role(delay_s=30), Role(delay_s=30))
+@roles(Role(delay_s=SLOW_S), Role(delay_s=SLOW_S))
 def test_disconnect_with_a_send_past_the_grace_cancels_both_roles(rig):
     stands, lb = rig
     t0 = time.monotonic()
     send_and_leave(lb.url, {"text": "x"}, after_s=0.5)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + SLOW_S
     while not stands.roles["decode"].aborts and time.monotonic() < deadline:
         time.sleep(0.05)
     (_, at), = stands.roles["decode"].aborts
-    assert 5 <= at - t0 < 9  # the lb's --transfer-grace 5
+    assert GRACE_S <= at - t0 < SLOW_S, "cancelled at the grace, not before it and not at the send's end"
     assert len(stands.roles["prefill"].aborts) == 1
 
 
-@roles(Role(), Role(events=[{"text": str(i)} for i in range(100)], event_gap_s=0.1))
+@roles(Role(), Role(events=[{"text": str(i)} for i in range(STREAM_EVENTS)], event_gap_s=STREAM_GAP_S))
 def test_disconnect_mid_stream_aborts_decode_at_once(rig):
     stands, lb = rig
     send_and_leave(lb.url, {"text": "x", "stream": True}, after_s=1.0)
@@ -252,7 +258,7 @@ def test_disconnect_mid_stream_aborts_decode_at_once(rig):
     deadline = left + 5
     while not decode.aborts and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert decode.aborts and decode.aborts[0][1] - left < 1.5
+    assert decode.aborts and decode.aborts[0][1] - left < STREAM_EVENTS * STREAM_GAP_S / 4, "at once, not at the stream's end"
     assert stands.roles["prefill"].aborts == []
 
 
