@@ -10,16 +10,20 @@ prefill admits requests prefill cannot serve. Prefill registers its input
 limit with its bootstrap server (one more field in the registration, which
 upstream servers ignore) and serves it on LIMITS_ROUTE (a new route, so an
 upstream decode's parsing of /route is untouched); a hardened decode checks
-it when it first meets that prefill, as upstream checks the page size there.
+it where upstream checks the page size. Decode does not stop on a mismatch,
+since the prefill address can come from a request: that prefill is "not
+ready" to upstream, which retries and then fails the requests for it.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 
 # One override for both H7 checks: a pool below the context is what makes the
 # roles' input limits differ, and tests of the deeper layers need both off.
@@ -31,9 +35,18 @@ REGISTRATION_FIELD = "hardened_max_req_input_len"
 # This scheduler process's input limit (set at start-up; read when it registers
 # with, or checks, a bootstrap server in the same process).
 _own_input_limit: int | None = None
-# On a prefill's bootstrap server (its HTTP process): the smallest limit its ranks registered.
-_registered_input_limit: int | None = None
-_unhardened_peers_warned: set[str] = set()
+# On a prefill's bootstrap server (its HTTP process): each rank's registered limit,
+# keyed as upstream keys its rank table, so a rank registering again replaces its own.
+_rank_limits: dict[tuple, int] = {}
+RANKS_MAX = 4096  # rank keys kept; anyone who reaches the port can register one
+INPUT_LIMIT_MAX = 1 << 31  # a registered or served limit above this is not a token count
+# On decode: what it has logged about a prefill, so a refusal retried every
+# scheduling cycle is logged once. Bounded: the address can come from a request.
+_said: OrderedDict[tuple, None] = OrderedDict()
+SAID_MAX = 1024
+LIMITS_READ_MAX = 4096  # bytes of a /hardened/limits reply a decode reads
+LIMITS_TIMEOUT_S = 5  # as upstream's own GET of /route
+_READ_ERRORS = (OSError, ValueError, RecursionError, http.client.HTTPException)
 
 log = logging.getLogger("sglang_hardened")
 
@@ -60,16 +73,24 @@ def check_kv_pool(mode: str, pool_tokens: int, context_len: int) -> None:
         f"(--mem-fraction-static, --max-total-tokens) or lower --context-length to at most "
         f"{pool_tokens}. To start anyway, set {OVERRIDE_ENV}=1 (logged)."
     )
-    _refuse(message, "Starting anyway")
+    if not _overridden(message, "Starting anyway"):
+        log.error(message)
+        raise UnsafeConfiguration(message)
 
 
-def _refuse(message: str, going_on: str) -> None:
-    """Raise UnsafeConfiguration, unless the operator's override is set: then log that it was."""
-    if os.environ.get(OVERRIDE_ENV) == "1":
-        log.warning("%s %s: %s=1 overrides this check.", message, going_on, OVERRIDE_ENV)
-        return
-    log.error(message)
-    raise UnsafeConfiguration(message)
+def _overridden(message: str, going_on: str) -> bool:
+    """Whether the operator's override is set; if so, log that it overrode ``message``."""
+    if os.environ.get(OVERRIDE_ENV) != "1":
+        return False
+    log.warning("%s %s: %s=1 overrides this check.", message, going_on, OVERRIDE_ENV)
+    return True
+
+
+def _valid_limit(value: object) -> int | None:
+    """``value`` as an input limit, or None when it is not a positive token count."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < INPUT_LIMIT_MAX:
+        return value
+    return None
 
 
 def registration_fields() -> dict[str, int]:
@@ -77,13 +98,28 @@ def registration_fields() -> dict[str, int]:
     return {} if _own_input_limit is None else {REGISTRATION_FIELD: _own_input_limit}
 
 
-def note_registration(data: dict) -> None:
-    """Bootstrap server: keep the smallest input limit any prefill rank registered."""
-    global _registered_input_limit
-    value = data.get(REGISTRATION_FIELD)
-    if value is not None:
-        value = int(value)
-        _registered_input_limit = value if _registered_input_limit is None else min(_registered_input_limit, value)
+def note_registration(rank: tuple, data: dict) -> None:
+    """Bootstrap server, after upstream accepted ``rank``'s registration: keep its limit.
+
+    A registration without a valid limit (an upstream rank, or a bad value) leaves the
+    rank without one, so nothing pins the served limit once the rank registers again.
+    """
+    limit = _valid_limit(data.get(REGISTRATION_FIELD))
+    if limit is None:
+        if data.get(REGISTRATION_FIELD) is not None:
+            log.warning("sglang-hardened H7: ignored the input limit registered for rank %s: "
+                        "not a positive integer below %d", rank, INPUT_LIMIT_MAX)
+        _rank_limits.pop(rank, None)
+    elif rank in _rank_limits or len(_rank_limits) < RANKS_MAX:
+        _rank_limits[rank] = limit
+    else:
+        log.warning("sglang-hardened H7: ignored the input limit of rank %s: %d ranks already "
+                    "registered one", rank, RANKS_MAX)
+
+
+def registered_limit() -> int | None:
+    """The smallest input limit the ranks registered now hold (None: none registered one)."""
+    return min(_rank_limits.values(), default=None)
 
 
 def add_routes(app) -> None:
@@ -91,29 +127,75 @@ def add_routes(app) -> None:
     from aiohttp import web
 
     async def limits(_request):
-        return web.json_response({"max_req_input_len": _registered_input_limit})
+        return web.json_response({"max_req_input_len": registered_limit()})
 
     app.router.add_get(LIMITS_ROUTE, limits)
 
 
-def check_prefill_limits(bootstrap_addr: str) -> None:
-    """Decode, on first meeting a prefill: refuse one whose input limit is below ours."""
+def check_prefill_limits(bootstrap_addr: str) -> bool:
+    """Decode, each time it asks a prefill for its info: whether that prefill is ready.
+
+    False for a prefill whose input limit is below ours or cannot be read: upstream
+    then retries and fails the requests waiting for it. It never raises: the address
+    can come from a request body, and an exception here would stop decode's scheduler.
+    """
     if _own_input_limit is None:
-        return
+        return True
     try:
-        with urllib.request.urlopen(f"http://{bootstrap_addr}{LIMITS_ROUTE}", timeout=5) as reply:
-            prefill_limit = json.load(reply).get("max_req_input_len")
+        prefill_limit = _read_limit(bootstrap_addr)
     except urllib.error.HTTPError as exc:
-        if exc.code == 404 and bootstrap_addr not in _unhardened_peers_warned:
-            _unhardened_peers_warned.add(bootstrap_addr)
-            log.warning("sglang-hardened H7: prefill at %s is not hardened; its input limit "
-                        "cannot be compared with this decode's (%d tokens)", bootstrap_addr, _own_input_limit)
-        return
-    if prefill_limit is not None and _own_input_limit > int(prefill_limit):
+        if exc.code == 404:
+            _say_once(("unhardened", bootstrap_addr), logging.WARNING,
+                      f"sglang-hardened H7: prefill at {bootstrap_addr} is not hardened; its input limit "
+                      f"cannot be compared with this decode's ({_own_input_limit} tokens)")
+            return True
+        reason = f"HTTP {exc.code}"
+    except _READ_ERRORS as exc:
+        reason = f"{type(exc).__name__}: {exc}"[:200]
+    else:
+        if prefill_limit is None or _own_input_limit <= prefill_limit:
+            return True
         message = (
             f"sglang-hardened H7: this decode accepts inputs up to {_own_input_limit} tokens but the "
             f"prefill at {bootstrap_addr} only up to {prefill_limit}; a prompt in between would be "
             f"admitted here and cannot be served there. Give both roles the same --context-length "
             f"and KV pools that hold it. To serve anyway, set {OVERRIDE_ENV}=1 (logged)."
         )
-        _refuse(message, "Serving anyway")
+        if _overridden(message, "Serving anyway"):
+            return True
+        _say_once((bootstrap_addr, prefill_limit), logging.ERROR,
+                  f"{message} Requests for this prefill are refused until it registers a limit of at "
+                  f"least {_own_input_limit}.")
+        return False
+    _say_once(("unreadable", bootstrap_addr), logging.WARNING,
+              f"sglang-hardened H7: cannot read the input limit of the prefill at {bootstrap_addr} "
+              f"({reason}); requests for it wait, and fail as for a prefill that does not answer")
+    return False
+
+
+def _read_limit(bootstrap_addr: str) -> int | None:
+    """The prefill's served limit (None: its ranks registered none); raises on a bad reply."""
+    url = f"http://{bootstrap_addr}{LIMITS_ROUTE}"
+    with urllib.request.urlopen(url, timeout=LIMITS_TIMEOUT_S) as reply:
+        body = reply.read(LIMITS_READ_MAX + 1)
+    if len(body) > LIMITS_READ_MAX:
+        raise ValueError(f"reply over {LIMITS_READ_MAX} bytes")
+    data = json.loads(body)
+    if not isinstance(data, dict):
+        raise ValueError("reply is not a JSON object")
+    value = data.get("max_req_input_len")
+    if value is None:
+        return None
+    if (limit := _valid_limit(value)) is None:
+        raise ValueError(f"max_req_input_len is not a positive integer below {INPUT_LIMIT_MAX}")
+    return limit
+
+
+def _say_once(key: tuple, level: int, message: str) -> None:
+    """Log ``message`` the first time ``key`` is seen (the last SAID_MAX keys are kept)."""
+    if key in _said:
+        return
+    _said[key] = None
+    if len(_said) > SAID_MAX:
+        _said.popitem(last=False)
+    log.log(level, message)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
+import urllib.error
 import urllib.request
 
 import pytest
 
 from sglang_hardened.paths import patches_dir
-from sglang_hardened.runtime.startup import OVERRIDE_ENV
-from sglang_hardened.sandbox.env import SandboxError
+from sglang_hardened.runtime.startup import LIMITS_ROUTE, OVERRIDE_ENV, REGISTRATION_FIELD
 from sglang_hardened.series import load_series
 
 from .conftest import sandbox_env
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.e2e
 # is twice prefill's: decode would admit prompts prefill cannot serve.
 UNEQUAL = dict(prefill_pool_tokens=600, decode_pool_tokens=4096, context_length=512,
                decode_context_length=1024)
+REFUSAL_S = 15  # decode's waiting timeout here: upstream's retries fail a request well within it
 
 
 def test_upstream_0523_serves_with_unequal_input_limits(start_cluster):
@@ -29,10 +31,34 @@ def test_upstream_0523_serves_with_unequal_input_limits(start_cluster):
     assert cluster.generate("the key " * 8).status == 200
 
 
-def test_hardened_0523_decode_refuses_a_prefill_with_a_lower_input_limit(start_cluster):
-    with pytest.raises(SandboxError, match=r"(?s)sglang-hardened H7: this decode accepts inputs up to \d+ "
-                                           r"tokens but the prefill at .* only up to \d+"):
-        start_cluster(sandbox_env("0.5.23", hardened=True), **UNEQUAL)
+def test_hardened_0523_decode_refuses_requests_for_a_prefill_with_a_lower_limit_and_keeps_serving(start_cluster):
+    """H7 across roles. Finding (review, high): on main decode raised out of its scheduler
+    loop at the first request for such a prefill and SGLang shut decode down, and anyone
+    who reached prefill's bootstrap port could register a limit of 1 to make every
+    prefill such a one. Now decode refuses those requests, logs why once, and stays up;
+    a registration upstream rejects leaves the served limit alone."""
+    cluster = start_cluster(sandbox_env("0.5.23", hardened=True), **UNEQUAL, waiting_timeout_s=REFUSAL_S,
+                            probe_transfer=False)
+    bootstrap = f"http://127.0.0.1:{cluster.bootstrap_port}"
+    served = _get_json(f"{bootstrap}{LIMITS_ROUTE}")["max_req_input_len"]
+    forged = urllib.request.Request(f"{bootstrap}/route", method="PUT", headers={"content-type": "application/json"},
+                                    data=json.dumps({REGISTRATION_FIELD: 1}).encode())
+    with pytest.raises(urllib.error.HTTPError):  # upstream's own parsing rejects it
+        urllib.request.urlopen(forged, timeout=30)
+    assert _get_json(f"{bootstrap}{LIMITS_ROUTE}")["max_req_input_len"] == served
+    reply = cluster.generate("the key " * 8, timeout=REFUSAL_S * 4 + 60)
+    assert reply.status >= 500, reply
+    with urllib.request.urlopen(f"{cluster.decode_url}/health", timeout=30) as health:
+        assert health.status == 200, "decode stays up"
+    log = cluster.log_tail("decode", 2000)
+    assert re.search(rf"sglang-hardened H7: this decode accepts inputs up to \d+ tokens but the prefill at "
+                     rf".* only up to {served}", log), log[-3000:]
+    assert log.count(f"only up to {served}") == 1, "a refusal upstream retries each cycle is logged once"
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        return json.load(reply)
 
 
 def test_hardened_0519_override_starts_and_both_checks_say_so(start_cluster):
