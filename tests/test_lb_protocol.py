@@ -185,6 +185,12 @@ def test_malformed_requests_get_4xx_and_reach_no_worker(rig):
              json.dumps({"text": "x" * 8000}).encode(): 413}
     for body, status in cases.items():
         assert post(lb.url, body)[0] == status, body[:40]
+    # Finding (review): on main deep nesting got an unhandled 500 and NaN was forwarded.
+    nested = b'{"text": "x", "n": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+    for body, says in ((nested, "nested too deeply"), (b'{"text": "x", "t": NaN}', "NaN is not a JSON number"),
+                       (b'{"text": "x", "t": -Infinity}', "-Infinity is not a JSON number")):
+        status, answer, _ = post(lb.url, body)
+        assert (status, says in json.loads(answer)["error"]["message"]) == (400, True), (body[:40], answer)
     assert post(lb.url, b'{"messages": 1}', "/v1/completions")[0] == 400
     assert post(lb.url, b'{"text": "x"}', "/no_such_route")[0] == 404
     with pytest.raises(urllib.error.HTTPError, match="405"):

@@ -34,12 +34,19 @@ class BadRequest(Exception):
         self.status = status
 
 
+def _no_constant(name: str) -> None:
+    raise BadRequest(400, f"body is not valid JSON: {name} is not a JSON number")
+
+
 def parse_body(route: str, raw: bytes) -> dict:
-    """The JSON object of a request to ``route``, or BadRequest."""
+    """The JSON object of a request to ``route``, or BadRequest (Python's json would
+    take NaN and Infinity, which JSON has not, and recurse out of the stack on deep nesting)."""
     try:
-        payload = json.loads(raw)
+        payload = json.loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(400, f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(400, "body is nested too deeply") from None
     if not isinstance(payload, dict):
         raise BadRequest(400, "body must be a JSON object")
     needed = ROUTES[route]
