@@ -7,8 +7,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
@@ -152,6 +153,35 @@ def eventually(pred, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
             return False
         time.sleep(interval_s)
     return True
+
+
+@pytest.fixture
+def http_stand_in() -> Iterator[Callable[[Callable[[str], tuple[int, bytes]]], str]]:
+    """Real loopback HTTP servers for a peer the code under test calls: each answers every
+    GET with ``answer(path)`` (status, body); returns the server's ``host:port``."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    servers: list[ThreadingHTTPServer] = []
+
+    def serve(answer: Callable[[str], tuple[int, bytes]]) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                status, body = answer(self.path)
+                self.send_response(status)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        servers.append(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
+        threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
+        return f"127.0.0.1:{servers[-1].server_address[1]}"
+
+    yield serve
+    for server in servers:
+        server.shutdown()
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ import pytest
 
 from sglang_hardened.runtime import FAKE_BOOTSTRAP_HOST, coverage, outcomes
 from sglang_hardened.runtime.outcomes import OutcomeLog, Verdicts
+from tests.conftest import eventually
 
 WAIT_S = 30.0  # a long poll's deadline, far beyond the outcome's 0.2 s
 
@@ -127,3 +129,84 @@ def test_sender_shortfall_only_on_a_short_last_chunk(last, stop, dst, short):
     assert (reason is not None) == short
     if short:
         assert f"decode expects {dst} pages but prefill sends {stop}" in reason
+
+
+# --- decode's watchers (review findings: one thread per address for ever, started from any
+# address a request names, stopped for good by one 404, killed silently by a malformed reply)
+
+@pytest.fixture
+def prefill_stand_in(http_stand_in):
+    """A prefill's outcomes route from a script of (status, body) replies, the last repeating;
+    returns its address and the paths asked."""
+    def serve(*replies: tuple[int, bytes]) -> tuple[str, list[str]]:
+        script, asked = list(replies), []
+
+        def answer(path: str) -> tuple[int, bytes]:
+            asked.append(path)
+            return script.pop(0) if len(script) > 1 else script[0]
+
+        return http_stand_in(answer), asked
+
+    return serve
+
+
+@pytest.fixture
+def watchers(monkeypatch):
+    """A decode with no watchers, quick retries, and its own verdicts."""
+    monkeypatch.setattr(outcomes, "_watchers", {})
+    monkeypatch.setattr(outcomes, "_not_hardened", outcomes.collections.OrderedDict())
+    monkeypatch.setattr(outcomes, "VERDICTS", Verdicts())
+    monkeypatch.setattr(outcomes, "RETRY_S", 0.05)
+    yield outcomes._watchers
+    for watcher in list(outcomes._watchers.values()):  # end this test's threads before the next test
+        watcher.wanted_at = float("-inf")
+    assert eventually(lambda: not outcomes._watchers)
+
+
+def _watch(addr: str) -> None:
+    host, port = addr.rsplit(":", 1)
+    outcomes._ensure_watching(host, int(port), {addr})
+
+
+GOOD = (200, b'{"seq": 1, "outcomes": [[7, 400, "too long"]]}')
+
+
+@pytest.mark.parametrize("bad", [b"<html>", b'{"outcomes": []}', b'{"seq": 1, "outcomes": [[7, 200, "ok"]]}',
+                                 b'{"seq": 1, "outcomes": [["7", 400, "x"]]}', b"[" * 100_000])
+def test_a_malformed_reply_is_logged_and_the_watcher_keeps_following(bad, prefill_stand_in, watchers, caplog):
+    addr, _ = prefill_stand_in((200, bad), GOOD)
+    with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
+        _watch(addr)
+        assert eventually(lambda: outcomes.VERDICTS.get(7) is not None), "on main the thread died on the bad reply"
+    assert f"cannot read outcomes from prefill {addr}" in caplog.text
+
+
+def test_a_404_is_asked_again_so_a_prefill_upgraded_in_place_is_followed(prefill_stand_in, watchers, monkeypatch):
+    monkeypatch.setattr(outcomes, "RECHECK_S", 0.3)
+    addr, asked = prefill_stand_in((404, b""), GOOD)
+    _watch(addr)
+    assert eventually(lambda: not watchers and asked)  # stopped after the 404
+    _watch(addr)
+    assert addr not in watchers, "not asked again before RECHECK_S"
+    time.sleep(0.35)
+    _watch(addr)
+    assert eventually(lambda: outcomes.VERDICTS.get(7) is not None)
+
+
+def test_only_prefills_decode_bootstrapped_from_are_followed(prefill_stand_in, watchers):
+    addr, asked = prefill_stand_in(GOOD)
+    host, port = addr.rsplit(":", 1)
+    outcomes._ensure_watching(host, int(port), set())  # named by a request, never bootstrapped from
+    time.sleep(0.2)
+    assert not watchers and not asked
+
+
+def test_watchers_are_capped_and_stop_when_no_request_names_their_prefill(prefill_stand_in, watchers, monkeypatch):
+    monkeypatch.setattr(outcomes, "WATCHERS_MAX", 2)
+    monkeypatch.setattr(outcomes, "WATCH_IDLE_S", 0.5)
+    addrs = [prefill_stand_in(GOOD)[0] for _ in range(3)]
+    for addr in addrs:
+        _watch(addr)
+    assert sorted(watchers) == sorted(addrs[:2])
+    assert eventually(lambda: not watchers), "idle watchers stop"
+    assert not [t for t in threading.enumerate() if t.name in {f"hardened-h4-{a}" for a in addrs}]

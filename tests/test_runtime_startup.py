@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
-import threading
 from collections import OrderedDict
 
 import pytest
@@ -40,29 +40,14 @@ def test_override_starts_and_says_so(monkeypatch, caplog):
 
 
 @pytest.fixture
-def bootstrap_server():
-    """A real HTTP server on loopback answering the limits route like a prefill's bootstrap server."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
+def bootstrap_server(http_stand_in):
+    """A prefill's bootstrap server stand-in: ``answers`` maps a path to its JSON (else 404)."""
     answers: dict[str, object] = {}
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = answers.get(self.path)
-            self.send_response(404 if body is None else 200)
-            self.end_headers()
-            if body is not None:
-                self.wfile.write(json.dumps(body).encode())
+    def answer(path: str) -> tuple[int, bytes]:
+        return (404, b"") if path not in answers else (200, json.dumps(answers[path]).encode())
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"127.0.0.1:{server.server_address[1]}", answers
-    server.shutdown()
+    return http_stand_in(answer), answers
 
 
 def test_decode_refuses_a_prefill_with_a_lower_input_limit(bootstrap_server, monkeypatch, caplog):
@@ -93,39 +78,13 @@ BAD_REPLIES = {
 
 
 @pytest.mark.parametrize("case", [*BAD_REPLIES, "refused connection"])
-def test_a_prefill_whose_limit_cannot_be_read_is_not_ready_and_nothing_raises(case, raw_server, monkeypatch, caplog):
+def test_a_prefill_whose_limit_cannot_be_read_is_not_ready_and_nothing_raises(case, http_stand_in, monkeypatch,
+                                                                              caplog):
     monkeypatch.setattr(startup, "_own_input_limit", 1018)
-    addr = "127.0.0.1:1" if case == "refused connection" else raw_server(BAD_REPLIES[case])
+    addr = "127.0.0.1:1" if case == "refused connection" else http_stand_in(lambda _: (200, BAD_REPLIES[case]))
     with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
         assert startup.check_prefill_limits(addr) is False
     assert f"cannot read the input limit of the prefill at {addr}" in caplog.text
-
-
-@pytest.fixture
-def raw_server():
-    """Real loopback HTTP servers answering every GET with 200 and the given bytes."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    servers = []
-
-    def serve(body: bytes) -> str:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(200)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        servers.append(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
-        threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
-        return f"127.0.0.1:{servers[-1].server_address[1]}"
-
-    yield serve
-    for server in servers:
-        server.shutdown()
 
 
 def test_an_unhardened_prefill_is_logged_not_refused(bootstrap_server, monkeypatch, caplog):

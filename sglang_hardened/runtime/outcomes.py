@@ -11,25 +11,32 @@ waiting timeout (300 s), then answers 500. Here:
   runs in that same process, serves the notes on OUTCOMES_ROUTE as a long
   poll (`add_routes`);
 - each decode scheduler watches the bootstrap server of every prefill it
-  meets (one thread per prefill, `fail_requests_prefill_ended`), aborts a
-  queued request as soon as its room appears, through upstream's own
-  `abort_request` (so upstream's release rules hold), and
+  bootstrapped from and its queued requests name (one thread per prefill, at
+  most WATCHERS_MAX, each stopping when no request has named its prefill for
+  WATCH_IDLE_S; `fail_requests_prefill_ended`), aborts a queued request as
+  soon as its room appears, through upstream's own `abort_request` (so
+  upstream's release rules hold), and
 - `prefill_verdict` (a seam in `prepare_abort`) makes decode end that request
   with prefill's status and message, not its own 500.
 
 A new route and no wire change: upstream peers are untouched (a decode
-watching an upstream prefill gets 404 and stops watching it).
+watching an upstream prefill gets 404 and asks again after RECHECK_S, so a
+prefill upgraded in place is noticed). H4 is about how soon a client hears,
+not about which pages are safe: a prefill decode does not follow reaches it
+through upstream's waiting timeout, as without H4.
 """
 
 from __future__ import annotations
 
 import collections
+import http.client
 import json
 import logging
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Container
 from dataclasses import dataclass
 
 from . import FAKE_BOOTSTRAP_HOST
@@ -106,7 +113,6 @@ class Verdicts:
 # scheduler process fills VERDICTS.
 OUTCOMES = OutcomeLog()
 VERDICTS = Verdicts()
-_watched: set[str] = set()
 _ended_rids: collections.OrderedDict[str, None] = collections.OrderedDict()  # aborted once is enough
 _watched_lock = threading.Lock()
 
@@ -144,44 +150,115 @@ def add_routes(app) -> None:
 
 # --- decode side -------------------------------------------------------------
 
-def _watch(addr: str) -> None:
-    """Follow one prefill's outcomes for the life of this process."""
+WATCHERS_MAX = 64  # prefills one decode scheduler follows at once
+WATCH_IDLE_S = 300.0  # a watcher no queued request has needed for this long stops
+RECHECK_S = 60.0  # a prefill that answered 404 (not hardened) is asked again after this
+REPLY_MAX = 16 << 20  # bytes of one long-poll reply decode reads (RETAIN_MAX outcomes and more)
+MESSAGE_MAX = 1024  # characters of a prefill's message decode keeps
+_READ_ERRORS = (OSError, ValueError, RecursionError, http.client.HTTPException)
+
+
+@dataclass
+class _Watcher:
+    wanted_at: float  # when a queued request last named this prefill
+    said: bool = False  # whether a bad reply was logged (once per watcher)
+
+
+_watchers: dict[str, _Watcher] = {}
+_not_hardened: collections.OrderedDict[str, float] = collections.OrderedDict()  # addr: when it answered 404
+_full_said = False
+
+
+def parse_reply(body: bytes) -> tuple[int, list[tuple[int, int, str]]]:
+    """A long-poll reply as (seq, [(room, status, message)]); ValueError names what is wrong."""
+    data = json.loads(body)
+    if not isinstance(data, dict) or not _is_int(seq := data.get("seq")) or seq < 0:
+        raise ValueError("reply has no non-negative integer seq")
+    items = data.get("outcomes")
+    if not isinstance(items, list):
+        raise ValueError("reply has no outcomes list")
+    parsed = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 3 and _is_int(item[0]) and _is_int(item[1])
+                and 400 <= item[1] <= 599 and isinstance(item[2], str)):
+            raise ValueError("an outcome is not [room, 4xx/5xx status, message]")
+        parsed.append((item[0], item[1], item[2][:MESSAGE_MAX]))
+    return seq, parsed
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _watch(addr: str, watcher: _Watcher) -> None:
+    """Follow one prefill's outcomes while queued requests keep naming it."""
     seq = -1
-    while True:
-        url = f"http://{addr}{OUTCOMES_ROUTE}?after={seq}"
-        try:
-            with urllib.request.urlopen(url, timeout=LONG_POLL_S + 10) as resp:
-                data = json.load(resp)
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
-                log.warning("sglang-hardened H4: prefill %s is not hardened; its rejections reach "
-                            "this decode only through its waiting timeout", addr)
-                return
-            time.sleep(RETRY_S)
-            continue
-        except (OSError, ValueError):
-            time.sleep(RETRY_S)
-            continue
-        if data["seq"] < seq:  # the prefill restarted: its numbering did too
-            seq = -1
-            continue
-        seq = data["seq"]
-        received = time.monotonic()  # age counts on this host's clock, from arrival
-        VERDICTS.add([Outcome(seq, int(room), int(status), str(message), received)
-                      for room, status, message in data["outcomes"]])
+    try:
+        while time.monotonic() - watcher.wanted_at < WATCH_IDLE_S:
+            url = f"http://{addr}{OUTCOMES_ROUTE}?after={seq}"
+            try:
+                with urllib.request.urlopen(url, timeout=LONG_POLL_S + 10) as resp:
+                    body = resp.read(REPLY_MAX + 1)
+                if len(body) > REPLY_MAX:
+                    raise ValueError(f"reply over {REPLY_MAX} bytes")
+                new_seq, items = parse_reply(body)
+            except urllib.error.HTTPError as exc:
+                if exc.code == 404:
+                    log.warning("sglang-hardened H4: prefill %s is not hardened; its rejections reach this decode "
+                                "only through its waiting timeout (asked again in %.0f s)", addr, RECHECK_S)
+                    with _watched_lock:
+                        _not_hardened[addr] = time.monotonic()
+                        while len(_not_hardened) > WATCHERS_MAX:
+                            _not_hardened.popitem(last=False)
+                    return
+                _bad_reply(addr, watcher, f"HTTP {exc.code}")
+                continue
+            except _READ_ERRORS as exc:
+                _bad_reply(addr, watcher, f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            if new_seq < seq:  # the prefill restarted: its numbering did too
+                seq = -1
+                continue
+            seq = new_seq
+            received = time.monotonic()  # age counts on this host's clock, from arrival
+            VERDICTS.add([Outcome(seq, room, status, message, received) for room, status, message in items])
+    finally:
+        with _watched_lock:
+            _watchers.pop(addr, None)
 
 
-def _ensure_watching(host: str | None, port: int | None) -> None:
+def _bad_reply(addr: str, watcher: _Watcher, reason: str) -> None:
+    """Log a failed poll once per watcher, then wait before the next."""
+    if not watcher.said:
+        watcher.said = True
+        log.warning("sglang-hardened H4: cannot read outcomes from prefill %s (%s); retrying every %.0f s",
+                    addr, reason, RETRY_S)
+    time.sleep(RETRY_S)
+
+
+def _ensure_watching(host: str | None, port: int | None, bootstrapped: Container[str]) -> None:
+    """Follow the prefill at host:port, if decode bootstrapped from it and may follow one more."""
+    global _full_said
     if not host or not port or host == FAKE_BOOTSTRAP_HOST:
         return
     addr = f"{host}:{port}"
-    if addr in _watched:
+    if addr not in bootstrapped:  # only prefills that answered upstream's own bootstrap
         return
+    now = time.monotonic()
     with _watched_lock:
-        if addr in _watched:
+        if (watcher := _watchers.get(addr)) is not None:
+            watcher.wanted_at = now
             return
-        _watched.add(addr)
-    threading.Thread(target=_watch, args=(addr,), name=f"hardened-h4-{addr}", daemon=True).start()
+        if now - _not_hardened.get(addr, -RECHECK_S) < RECHECK_S:
+            return
+        if len(_watchers) >= WATCHERS_MAX:
+            if not _full_said:
+                _full_said = True
+                log.warning("sglang-hardened H4: already following %d prefills; %s and others reach this decode's "
+                            "requests only through its waiting timeout", WATCHERS_MAX, addr)
+            return
+        watcher = _watchers[addr] = _Watcher(now)
+    threading.Thread(target=_watch, args=(addr, watcher), name=f"hardened-h4-{addr}", daemon=True).start()
 
 
 def fail_requests_prefill_ended(scheduler) -> None:
@@ -189,8 +266,9 @@ def fail_requests_prefill_ended(scheduler) -> None:
     queued = [d.req for d in scheduler.disagg_decode_prealloc_queue.queue]
     queued += [d.req for d in scheduler.disagg_decode_transfer_queue.queue]
     ended = []
+    bootstrapped = scheduler.disagg_decode_prealloc_queue.kv_manager.prefill_info_table
     for req in queued:
-        _ensure_watching(req.bootstrap_host, req.bootstrap_port)
+        _ensure_watching(req.bootstrap_host, req.bootstrap_port, bootstrapped)
         outcome = VERDICTS.get(req.bootstrap_room)
         if outcome is not None and not req.finished() and req.rid not in _ended_rids:
             ended.append((req, outcome))
