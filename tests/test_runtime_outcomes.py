@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -16,16 +17,46 @@ from tests.conftest import eventually
 WAIT_S = 30.0  # a long poll's deadline, far beyond the outcome's 0.2 s
 
 
+TOO_LONG = ("Input length (601 tokens) exceeds the maximum allowed length (250 tokens). "
+            "Use a shorter input or enable --allow-auto-truncate.")
+
+
 def test_outcome_log_long_poll_wakes_on_a_new_outcome():
     log = OutcomeLog()
-    seq, items = log.since(-1)
-    assert (seq, items) == (0, [])
-    threading.Timer(0.2, log.add, args=(7, 400, "too long")).start()
+    assert log.since(-1) == (0, [])
+    threading.Timer(0.2, log.add, args=(7, 400, TOO_LONG)).start()
     start = time.monotonic()
-    seq, items = log.since(0, wait_s=WAIT_S)
+    seq, items = asyncio.run(log.wait_since(0, WAIT_S))
     assert time.monotonic() - start < WAIT_S / 2, "the poll returns when an outcome arrives, not at its deadline"
-    assert seq == 1 and [(o.room, o.status, o.message) for o in items] == [(7, 400, "too long")]
+    assert seq == 1 and [(o.room, o.status, o.message) for o in items] == [(7, 400, TOO_LONG)]
     assert log.since(1)[1] == [], "an outcome is delivered once to a poller that keeps its place"
+
+
+@pytest.mark.parametrize("status, message, noted", [
+    (400, TOO_LONG, (400, TOO_LONG)),  # numbers only besides upstream's fixed text: kept
+    (400, 'Failed to compile JSON schema {"tenant_secret": "..."}', (400, "sglang-hardened H4: prefill ended this "
+                                                                          "request with status 400")),
+    (500, "Request lb-1234 exceeds the maximum number of tokens: 601 > 250", (500, "sglang-hardened H4: prefill ended "
+                                                                                  "this request with status 500")),
+    (200, "", (500, "sglang-hardened H4: prefill ended this request with status 500")),  # an abort is an error
+])
+def test_notes_carry_no_request_content(status, message, noted):
+    """Finding (review): every aborted request's message was served to anyone on the bootstrap
+    port, whatever it quoted of the request."""
+    log = OutcomeLog()
+    log.add(1, status, message)
+    assert [(o.status, o.message) for o in log.since(-1)[1]] == [noted]
+
+
+def test_outcomes_are_evicted_by_count_and_age_as_they_are_added(monkeypatch):
+    monkeypatch.setattr(outcomes, "RETAIN_MAX", 3)
+    log = OutcomeLog()
+    for room in range(5):
+        log.add(room, 400, TOO_LONG)
+    assert len(log._items) == 3 and [o.room for o in log.since(-1)[1]] == [2, 3, 4]
+    monkeypatch.setattr(outcomes, "RETAIN_S", -1.0)  # and by age: every earlier one is too old now
+    log.add(9, 400, TOO_LONG)
+    assert len(log._items) == 0
 
 
 def test_outcome_log_forgets_what_is_older_than_its_window(monkeypatch):
@@ -49,27 +80,68 @@ def test_verdicts_older_than_the_window_are_forgotten():
     assert verdicts.get(1) is None
 
 
-def test_outcomes_route_serves_the_log_and_refuses_a_malformed_position(monkeypatch):
-    """The bootstrap server's route, on a real aiohttp server on loopback."""
-    import asyncio
-
+def _route_client(monkeypatch, log: OutcomeLog | None = None):
+    """The bootstrap server's route on a real aiohttp server on loopback, serving ``log``."""
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
-    monkeypatch.setattr(outcomes, "OUTCOMES", OutcomeLog())
-    outcomes.OUTCOMES.add(7, 400, "too long")
+    monkeypatch.setattr(outcomes, "OUTCOMES", log or OutcomeLog())
     app = web.Application()
     outcomes.add_routes(app)
+    return TestClient(TestServer(app))
+
+
+def test_outcomes_route_serves_the_log_and_refuses_a_malformed_position(monkeypatch):
+    monkeypatch.delenv(outcomes.TOKEN_ENV, raising=False)
+    log = OutcomeLog()
+    log.add(7, 400, TOO_LONG)
 
     async def run():
-        async with TestClient(TestServer(app)) as client:
+        async with _route_client(monkeypatch, log) as client:
             ok = await client.get(outcomes.OUTCOMES_ROUTE, params={"after": "-1"})
             bad = await client.get(outcomes.OUTCOMES_ROUTE, params={"after": "x"})
             return ok.status, await ok.json(), bad.status, await bad.text()
 
     status, body, bad_status, bad_text = asyncio.run(run())
-    assert status == 200 and body == {"seq": 1, "outcomes": [[7, 400, "too long"]]}
+    assert status == 200 and body == {"seq": 1, "outcomes": [[7, 400, TOO_LONG]]}
     assert bad_status == 400 and "after must be an integer" in bad_text
+
+
+def test_long_polls_hold_no_thread_and_are_capped(monkeypatch):
+    """Finding (review): each poll held an executor thread for its 5 s, with no cap."""
+    monkeypatch.delenv(outcomes.TOKEN_ENV, raising=False)
+    monkeypatch.setattr(outcomes, "POLLS_MAX", 20)
+    monkeypatch.setattr(outcomes, "LONG_POLL_S", 1.0)
+
+    async def run():
+        async with _route_client(monkeypatch) as client:
+            before = threading.active_count()
+            polls = [asyncio.ensure_future(client.get(outcomes.OUTCOMES_ROUTE)) for _ in range(20)]
+            await asyncio.sleep(0.3)
+            during = threading.active_count()
+            over = await client.get(outcomes.OUTCOMES_ROUTE)
+            answers = await asyncio.gather(*polls)
+            return before, during, over.status, [a.status for a in answers]
+
+    before, during, over, statuses = asyncio.run(run())
+    assert during == before, "twenty waiting polls, no thread more"
+    assert over == 503 and statuses == [200] * 20
+
+
+def test_with_a_token_only_a_decode_that_sends_it_reads_the_outcomes(monkeypatch):
+    monkeypatch.setenv(outcomes.TOKEN_ENV, "s3cret")
+    log = OutcomeLog()
+    log.add(7, 400, TOO_LONG)
+
+    async def run():
+        async with _route_client(monkeypatch, log) as client:
+            statuses = []
+            for headers in ({}, {outcomes.TOKEN_HEADER: "guess"}, {outcomes.TOKEN_HEADER: "s3cret"}):
+                statuses.append((await client.get(outcomes.OUTCOMES_ROUTE, headers=headers)).status)
+            return statuses
+
+    assert asyncio.run(run()) == [403, 403, 200]
+    assert outcomes._token_header() == {outcomes.TOKEN_HEADER: "s3cret"}  # what decode's watchers send
 
 
 def _prefill_manager(mode="prefill"):

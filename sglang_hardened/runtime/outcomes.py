@@ -28,10 +28,15 @@ through upstream's waiting timeout, as without H4.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import hmac
 import http.client
 import json
 import logging
+import os
+import re
 import threading
 import time
 import urllib.error
@@ -48,6 +53,16 @@ RETAIN_S = 120.0
 RETAIN_MAX = 8192
 LONG_POLL_S = 5.0
 RETRY_S = 1.0
+POLLS_MAX = 256  # long polls a bootstrap server holds at once; more get 503
+# A shared secret for the outcomes route, from the environment of both roles: when
+# prefill has one, only a decode that sends the same may read its outcomes.
+TOKEN_ENV = "SGLANG_HARDENED_BOOTSTRAP_TOKEN"
+TOKEN_HEADER = "X-SGLang-Hardened-Token"
+# Prefill's messages that carry only numbers besides their fixed text (numbers as N).
+SAFE_MESSAGES = frozenset({
+    "Input length (N tokens) exceeds the maximum allowed length (N tokens). "
+    "Use a shorter input or enable --allow-auto-truncate.",
+})
 
 log = logging.getLogger("sglang_hardened")
 
@@ -64,26 +79,66 @@ class Outcome:
 
 
 class OutcomeLog:
-    """Prefill side: recent outcomes with sequence numbers, for long polls from decodes."""
+    """Prefill side: recent outcomes with sequence numbers, for long polls from decodes.
+
+    Filled from the tokenizer manager's thread, read by the bootstrap server's event
+    loop: a poll waits on an asyncio event that ``add`` sets from its own thread, so
+    no poll holds a thread."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._items: collections.deque[Outcome] = collections.deque(maxlen=RETAIN_MAX)
+        self._lock = threading.Lock()
+        self._items: collections.deque[Outcome] = collections.deque()
         self._seq = 0
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
     def add(self, room: int, status: int, message: str) -> None:
-        with self._cond:
+        """Note how prefill ended ``room``: its status (a 4xx/5xx, else 500) and ``note(status, message)``."""
+        status = status if 400 <= status <= 599 else 500
+        now = time.monotonic()
+        with self._lock:
             self._seq += 1
-            self._items.append(Outcome(self._seq, room, status, message, time.monotonic()))
-            self._cond.notify_all()
+            self._items.append(Outcome(self._seq, room, status, note(status, message), now))
+            while self._items and (len(self._items) > RETAIN_MAX or self._items[0].at < now - RETAIN_S):
+                self._items.popleft()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that poll's loop has closed
+                pass
 
-    def since(self, seq: int, wait_s: float = 0.0) -> tuple[int, list[Outcome]]:
-        """Outcomes after `seq` (all retained ones for seq < 0), waiting up to `wait_s` for one."""
-        with self._cond:
-            if wait_s and not (self._items and self._items[-1].seq > seq):
-                self._cond.wait(wait_s)
+    def since(self, seq: int) -> tuple[int, list[Outcome]]:
+        """The last sequence number, and the outcomes after `seq` (all retained ones for seq < 0)."""
+        with self._lock:
             horizon = time.monotonic() - RETAIN_S
             return self._seq, [o for o in self._items if o.seq > seq and o.at >= horizon]
+
+    async def wait_since(self, seq: int, wait_s: float) -> tuple[int, list[Outcome]]:
+        """``since(seq)``, waiting up to ``wait_s`` for an outcome when there is none yet."""
+        event = asyncio.Event()
+        key = (asyncio.get_running_loop(), event)
+        with self._lock:
+            self._waiters.add(key)
+        try:
+            current, items = self.since(seq)  # after registering: an add in between sets the event
+            if not items:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), wait_s)
+                current, items = self.since(seq)
+            return current, items
+        finally:
+            with self._lock:
+                self._waiters.discard(key)
+
+
+def note(status: int, message: str) -> str:
+    """What decode may tell the client for prefill: prefill's own message where it is one of
+    SAFE_MESSAGES (its numbers aside), else a fixed reason. Any decode that reaches the
+    bootstrap port reads the notes, so none may carry request content (a grammar error
+    quotes its schema; some messages quote the rid)."""
+    if re.sub(r"\d+", "N", message) in SAFE_MESSAGES:
+        return message
+    return f"sglang-hardened H4: prefill ended this request with status {status}"
 
 
 class Verdicts:
@@ -131,18 +186,28 @@ def note_prefill_finish(tokenizer_manager, obj, out: dict) -> None:
 
 
 def add_routes(app) -> None:
-    """Seam where the bootstrap server sets up its routes: serve OUTCOMES as a long poll."""
-    import asyncio
-
+    """Seam where the bootstrap server sets up its routes: serve OUTCOMES as a long poll
+    (at most POLLS_MAX at once; behind TOKEN_ENV's secret when prefill has one)."""
     from aiohttp import web
 
+    polls = 0
+
     async def outcomes(request: web.Request) -> web.Response:
+        nonlocal polls
+        token = os.environ.get(TOKEN_ENV)
+        if token and not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), token.encode()):
+            raise web.HTTPForbidden(text=f"{OUTCOMES_ROUTE} needs the {TOKEN_HEADER} header set to {TOKEN_ENV}")
         try:
             after = int(request.query.get("after", "-1"))
         except ValueError:
-            raise web.HTTPBadRequest(text=f"after must be an integer sequence number, not {request.query['after']!r}")
-        seq, items = await asyncio.get_running_loop().run_in_executor(
-            None, OUTCOMES.since, after, LONG_POLL_S)
+            raise web.HTTPBadRequest(text="after must be an integer sequence number") from None
+        if polls >= POLLS_MAX:
+            raise web.HTTPServiceUnavailable(text=f"more than {POLLS_MAX} outcome polls at once")
+        polls += 1
+        try:
+            seq, items = await OUTCOMES.wait_since(after, LONG_POLL_S)
+        finally:
+            polls -= 1
         return web.json_response({"seq": seq, "outcomes": [[o.room, o.status, o.message] for o in items]})
 
     app.router.add_get(OUTCOMES_ROUTE, outcomes)
@@ -195,9 +260,9 @@ def _watch(addr: str, watcher: _Watcher) -> None:
     seq = -1
     try:
         while time.monotonic() - watcher.wanted_at < WATCH_IDLE_S:
-            url = f"http://{addr}{OUTCOMES_ROUTE}?after={seq}"
+            poll = urllib.request.Request(f"http://{addr}{OUTCOMES_ROUTE}?after={seq}", headers=_token_header())
             try:
-                with urllib.request.urlopen(url, timeout=LONG_POLL_S + 10) as resp:
+                with urllib.request.urlopen(poll, timeout=LONG_POLL_S + 10) as resp:
                     body = resp.read(REPLY_MAX + 1)
                 if len(body) > REPLY_MAX:
                     raise ValueError(f"reply over {REPLY_MAX} bytes")
@@ -211,7 +276,7 @@ def _watch(addr: str, watcher: _Watcher) -> None:
                         while len(_not_hardened) > WATCHERS_MAX:
                             _not_hardened.popitem(last=False)
                     return
-                _bad_reply(addr, watcher, f"HTTP {exc.code}")
+                _bad_reply(addr, watcher, f"HTTP {exc.code}" + (f": set {TOKEN_ENV} alike on both roles" if exc.code == 403 else ""))
                 continue
             except _READ_ERRORS as exc:
                 _bad_reply(addr, watcher, f"{type(exc).__name__}: {exc}"[:200])
@@ -225,6 +290,11 @@ def _watch(addr: str, watcher: _Watcher) -> None:
     finally:
         with _watched_lock:
             _watchers.pop(addr, None)
+
+
+def _token_header() -> dict[str, str]:
+    token = os.environ.get(TOKEN_ENV)
+    return {TOKEN_HEADER: token} if token else {}
 
 
 def _bad_reply(addr: str, watcher: _Watcher, reason: str) -> None:
