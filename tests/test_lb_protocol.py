@@ -25,12 +25,14 @@ from aiohttp import web
 
 from sglang_hardened.lb.routing import ENTRY_POINT_GROUP, load_policy
 from sglang_hardened.sandbox.cluster import free_port
+from tests.conftest import eventually
 
 # Times are bounds tied to what the stand-ins and the lb are configured with, not to the
 # host's speed: "at once" is "well before the slow role would have answered".
 SLOW_S = 20  # a stand-in role that answers late
 GRACE_S = 5  # the lb's --transfer-grace
 STREAM_EVENTS, STREAM_GAP_S = 100, 0.1  # a 10 s decode stream
+BODY_TIMEOUT_S, MAX_REQUESTS, MAX_ANSWER_BYTES = 2, 3, 1_000_000
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Role:
     delay_s: float = 0.0
     events: list[dict] = field(default_factory=lambda: [{"text": "hi", "output_ids": [1]}])
     event_gap_s: float = 0.0
+    drop: bool = False  # close the connection instead of answering
     requests: list[dict] = field(default_factory=list)
     aborts: list[tuple[str, float]] = field(default_factory=list)
     answered_at: float | None = None
@@ -56,6 +59,9 @@ class Role:
             return web.json_response({"error": "aborted"}, status=500)
         except TimeoutError:
             pass
+        if self.drop:
+            request.transport.close()
+            return web.Response()
         if not payload.get("stream"):
             self.answered_at = time.monotonic()
             return web.json_response(self.events[-1], status=self.status)
@@ -168,7 +174,9 @@ def rig(request):
     """(stands, lb) for the Role pair the test passes via indirect params."""
     prefill, decode = request.param
     stands = Stands(prefill, decode)
-    lb = Lb([prefill.url], [decode.url], "--max-body-bytes", "4096", "--transfer-grace", str(GRACE_S))
+    lb = Lb([prefill.url], [decode.url], "--max-body-bytes", "4096", "--transfer-grace", str(GRACE_S),
+            "--body-timeout", str(BODY_TIMEOUT_S), "--max-requests", str(MAX_REQUESTS),
+            "--max-answer-bytes", str(MAX_ANSWER_BYTES))
     yield stands, lb
     lb.stop()
     stands.close()
@@ -336,3 +344,55 @@ def test_rooms_do_not_follow_from_the_random_module_state():
         random.seed(7)
         rooms.append(forwarded("generate", {"text": "t"}, prefill).payload["bootstrap_room"])
     assert rooms[0] != rooms[1]
+
+
+# Review findings on the lb's own surface; each test failed on main.
+
+@roles(decode=Role(events=[{"text": "x" * 5_000_000}]))
+def test_a_first_stream_event_over_the_line_limit_is_a_502_and_decode_is_aborted(rig):
+    """On main: an unhandled exception (500), and decode was never aborted."""
+    stands, lb = rig
+    status, body, _ = post(lb.url, b'{"text": "x", "stream": true}')
+    assert (status, json.loads(body)["error"]["message"]) == (502, "decode answered more than the lb takes")
+    decode = stands.roles["decode"]
+    assert eventually(lambda: [rid for rid, _ in decode.aborts] == [decode.requests[0]["rid"]])
+
+
+@roles(decode=Role(events=[{"text": "x" * 2 * MAX_ANSWER_BYTES}]))
+def test_an_answer_over_the_limit_is_a_502_not_held_in_memory(rig):
+    _, lb = rig
+    status, body, _ = post(lb.url, b'{"text": "x"}')
+    assert (status, json.loads(body)["error"]["message"]) == (502, "decode answered more than the lb takes")
+
+
+@roles(prefill=Role(drop=True))
+def test_a_worker_failure_reaches_the_client_without_its_address_or_the_cause(rig):
+    stands, lb = rig
+    status, body, _ = post(lb.url, b'{"text": "x"}')
+    assert (status, json.loads(body)["error"]["message"]) == (502, "prefill did not answer")
+    assert b"127.0.0.1" not in body and b"Disconnected" not in body  # both are in the lb's log
+
+
+@roles()
+def test_a_body_that_does_not_arrive_in_time_gets_408(rig):
+    _, lb = rig
+    with socket.create_connection(("127.0.0.1", lb.port)) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{")
+        s.settimeout(BODY_TIMEOUT_S * 5)
+        assert s.recv(64).startswith(b"HTTP/1.1 408"), "on main the lb waited for the body as long as the client"
+
+
+@roles(Role(delay_s=3), Role(delay_s=3))
+def test_requests_over_the_cap_get_503_and_the_rest_are_served(rig):
+    stands, lb = rig
+    results: list = []
+    clients = [threading.Thread(target=lambda: results.append(post(lb.url, b'{"text": "x"}')[0]))
+               for _ in range(MAX_REQUESTS)]
+    for c in clients:
+        c.start()
+    assert eventually(lambda: len(stands.roles["decode"].requests) == MAX_REQUESTS)  # all open in the lb
+    assert post(lb.url, b'{"text": "x"}')[0] == 503
+    for c in clients:
+        c.join()
+    assert results == [200] * MAX_REQUESTS

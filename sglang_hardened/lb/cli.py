@@ -34,9 +34,15 @@ def _prefill(value: str) -> PrefillAddr:
 @click.option("--health-interval", type=float, default=5.0, show_default=True, help="Seconds between health checks.")
 @click.option("--drain-timeout", type=float, default=60.0, show_default=True,
               help="On SIGTERM, seconds open requests get to finish.")
+@click.option("--body-timeout", type=float, default=LbConfig.body_timeout_s, show_default=True,
+              help="Seconds a client has to send its request body; then 408.")
+@click.option("--max-requests", type=int, default=LbConfig.max_requests, show_default=True,
+              help="Requests handled at once; more get 503.")
+@click.option("--max-answer-bytes", type=int, default=LbConfig.max_answer_bytes, show_default=True,
+              help="A worker's whole answer over this is a 502 (as is a first stream event over 2 MiB).")
 def lb(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int, policy: str,
        request_timeout: float, transfer_grace: float, max_body_bytes: int, health_interval: float,
-       drain_timeout: float) -> None:
+       drain_timeout: float, body_timeout: float, max_requests: int, max_answer_bytes: int) -> None:
     """Prefill/decode load balancer: first error wins, never aborts mid-transfer (H9).
 
     Same request protocol as sglang-router's mini-lb. The client gets the
@@ -52,5 +58,6 @@ def lb(prefill: tuple[str, ...], decode: tuple[str, ...], host: str, port: int, 
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = LbConfig(tuple(map(_prefill, prefill)), decode, host, port, policy, request_timeout,
-                      transfer_grace, max_body_bytes, health_interval, drain_timeout)
+                      transfer_grace, max_body_bytes, health_interval, drain_timeout, body_timeout,
+                      max_requests, max_answer_bytes)
     asyncio.run(serve(config))

@@ -29,6 +29,9 @@ class LbConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     health_interval_s: float = 5.0
     drain_timeout_s: float = 60.0
+    body_timeout_s: float = 30.0  # a client's body must arrive within this; then 408
+    max_requests: int = 1024  # requests handled at once; more get 503
+    max_answer_bytes: int = 256 * 1024 * 1024  # a worker's answer (non-streaming) over this is a 502
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:
@@ -36,5 +39,6 @@ class LbConfig:
         for url in [p.url for p in self.prefill] + list(self.decode):
             if not url.startswith(("http://", "https://")):
                 raise HardenedError(f"worker URL {url!r} must start with http:// or https://")
-        if min(self.request_timeout_s, self.transfer_grace_s, self.health_interval_s, self.max_body_bytes) <= 0:
-            raise HardenedError("timeouts, the health interval and the body limit must be positive")
+        if min(self.request_timeout_s, self.transfer_grace_s, self.health_interval_s, self.max_body_bytes,
+               self.body_timeout_s, self.max_requests, self.max_answer_bytes) <= 0:
+            raise HardenedError("timeouts, the health interval and the limits must be positive")

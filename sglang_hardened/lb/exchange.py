@@ -26,6 +26,7 @@ import logging
 from dataclasses import dataclass
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .protocol import Forwarded
 from .workers import Worker
@@ -75,8 +76,22 @@ def sse_error(event: bytes) -> Answer | None:
     return Answer(code if isinstance(code, int) and 400 <= code < 600 else 500, json.dumps(data).encode())
 
 
-async def _read_answer(response: aiohttp.ClientResponse, stream: bool) -> Answer:
-    body = await response.read()
+class AnswerTooLarge(Exception):
+    """A worker's answer is over the lb's limit."""
+
+
+async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or AnswerTooLarge once it passes ``limit`` bytes (memory stays bounded)."""
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(2 ** 16):
+        body += chunk
+        if len(body) > limit:
+            raise AnswerTooLarge(f"over {limit} bytes")
+    return bytes(body)
+
+
+async def _read_answer(response: aiohttp.ClientResponse, stream: bool, limit: int) -> Answer:
+    body = await _read_capped(response, limit)
     if stream and response.status < 300:
         return sse_error(body.split(SSE_END, 1)[0]) or Answer(response.status, body, response.content_type)
     return Answer(response.status, body, response.content_type)
@@ -86,8 +101,9 @@ class Exchange:
     """Both worker calls of one request; their tasks outlive the client's connection."""
 
     def __init__(self, session: aiohttp.ClientSession, route: str, fwd: Forwarded,
-                 prefill: Worker, decode: Worker, stream: bool, track):
+                 prefill: Worker, decode: Worker, stream: bool, track, max_answer_bytes: int):
         self.session, self.route, self.fwd, self.stream = session, route, fwd, stream
+        self.max_answer_bytes = max_answer_bytes
         self.prefill, self.decode, self._track = prefill, decode, track
         self.stream_response: aiohttp.ClientResponse | None = None
         self.prefill_task: asyncio.Task[Answer] = track(self._call_prefill())
@@ -96,29 +112,43 @@ class Exchange:
     async def _post(self, worker: Worker) -> aiohttp.ClientResponse:
         return await self.session.post(f"{worker.url}/{self.route}", json=self.fwd.payload)
 
+    def _failed(self, worker: Worker, what: str, exc: Exception) -> Answer:
+        """The client's 502 names the role only; the worker's address and the cause go to the log."""
+        log.warning("request %s: %s %s %s: %s", self.fwd.rids[0], worker.role, worker.url, what, exc)
+        return Answer.error(502, f"{worker.role} {what}")
+
     async def _call_prefill(self) -> Answer:
         try:
             async with await self._post(self.prefill) as response:
-                return await _read_answer(response, self.stream)
+                return await _read_answer(response, self.stream, self.max_answer_bytes)
         except aiohttp.ClientError as exc:
-            return Answer.error(502, f"prefill {self.prefill.url}: {exc}")
+            return self._failed(self.prefill, "did not answer", exc)
+        except AnswerTooLarge as exc:
+            return self._failed(self.prefill, "answered more than the lb takes", exc)
 
     async def _call_decode(self) -> Answer | Stream:
+        response = None
         try:
             response = await self._post(self.decode)
             if not self.stream or response.status >= 300:
                 async with response:
-                    return await _read_answer(response, self.stream)
+                    return await _read_answer(response, self.stream, self.max_answer_bytes)
             self.stream_response = response
             first = await response.content.readuntil(SSE_END)
             failed = sse_error(first)
             if failed:
-                await response.read()  # to its end: the worker closes it, not us
+                await _read_capped(response, self.max_answer_bytes)  # to its end: the worker closes it, not us
                 response.release()
                 return failed
             return Stream(response, first)
         except aiohttp.ClientError as exc:
-            return Answer.error(502, f"decode {self.decode.url}: {exc}")
+            return self._failed(self.decode, "did not answer", exc)
+        except (AnswerTooLarge, ValueError, HttpProcessingError) as exc:  # a first event over the line limit
+            # decode has answered, so its send is over: end the request there
+            if response is not None:
+                response.close()
+            self._track(self.abort(self.decode))
+            return self._failed(self.decode, "answered more than the lb takes", exc)
 
     def send_over(self) -> bool:
         """True once no KV write for this request can still be under way."""

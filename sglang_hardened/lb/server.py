@@ -20,6 +20,7 @@ from .workers import Pool, Worker
 
 log = logging.getLogger("sglang_hardened.lb")
 READ_BUFSIZE = 2 ** 21  # a first streamed event with logprobs can exceed aiohttp's 64 KiB default
+PARSE_INLINE_BYTES = 2 ** 20
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -58,6 +59,8 @@ class Balancer:
 
     def _handler(self, route: str):
         async def handle(request: web.Request) -> web.StreamResponse:
+            if self.active >= self.config.max_requests:
+                return _error(503, f"more than {self.config.max_requests} requests open")
             self.active += 1
             try:
                 return await self.forward(route, request)
@@ -69,7 +72,13 @@ class Balancer:
         if self.draining:
             return _error(503, "the load balancer is shutting down")
         try:
-            payload = parse_body(route, await request.read())
+            async with asyncio.timeout(self.config.body_timeout_s):
+                raw = await request.read()
+            # a large body is parsed off the event loop, which every other request shares
+            payload = parse_body(route, raw) if len(raw) <= PARSE_INLINE_BYTES else (
+                await asyncio.to_thread(parse_body, route, raw))
+        except TimeoutError:
+            return _error(408, f"request body not received within {self.config.body_timeout_s:g} s")
         except web.HTTPException as exc:  # e.g. 413 over --max-body-bytes
             return _error(exc.status, exc.reason)
         except BadRequest as exc:
@@ -78,7 +87,8 @@ class Balancer:
         if not prefill or not decode:
             return _error(503, "no healthy prefill or decode worker")
         p, d = self.policy.choose(prefill, decode, payload)
-        ex = Exchange(self.session, route, forwarded(route, payload, p), p, d, bool(payload.get("stream")), self.track)
+        ex = Exchange(self.session, route, forwarded(route, payload, p), p, d, bool(payload.get("stream")), self.track,
+                      self.config.max_answer_bytes)
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 result = await ex.outcome()
