@@ -27,7 +27,7 @@ INFO_ROUTES = ("/server_info", "/get_server_info")
 CHECKSUM_FIELD = "disaggregation_enable_kv_checksum"
 CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
-DEFERRED_DEFAULT_ON = Version("0.5.21")  # upstream's default before that is off (UPSTREAM.md)
+DEFERRED_DEFAULT_ON = Version("0.5.21")  # upstream turned it on by default in 0.5.21
 # Both roles must lay pages out alike, or decode reads prefill's bytes as something else.
 LAYOUT_FIELDS = ("page_size", "kv_cache_dtype", "dtype", "enable_page_major_kv_layout")
 

@@ -1,7 +1,7 @@
 """Every named configuration gives the result its release says it should.
 
 Hardened configurations must be clean within the bounds; each upstream
-release must break exactly the properties UPSTREAM.md says it leaves open.
+release must break exactly the properties its named configuration leaves open.
 """
 
 from __future__ import annotations

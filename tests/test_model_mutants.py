@@ -45,8 +45,8 @@ class _CrashKeepsWriting(Machine):
 
 class _TagsStampedByDecode(Machine):
     """Decode stamps the tags itself when the room reports success, so they
-    vouch for pages nobody wrote (DESIGN.md: the tag must travel with the
-    data)."""
+    vouch for pages nobody wrote (H8's rule: the tag must travel with the
+    data it vouches for)."""
 
     def _commit(self, s: State, r: int) -> State:
         stamped = list(s.pages)

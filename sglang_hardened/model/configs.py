@@ -1,8 +1,8 @@
 """Switches, named configurations and the bounds the model is checked in.
 
 A configuration is the set of hardening items that are on. The named ones
-say what each upstream release already does (read off the wheels, see
-UPSTREAM.md) and what the hardened series for that base adds, so a change
+say what each upstream release already does (read off its wheel's code)
+and what the hardened series for that base adds, so a change
 to either is a change to data here, not to the machine.
 """
 
@@ -15,7 +15,7 @@ from .state import Kind, RequestSpec, Scenario
 
 
 class Switch(StrEnum):
-    """A hardening item of DESIGN.md's catalogue that the model mirrors."""
+    """A hardening item of the catalogue (README) that the model mirrors."""
 
     H1 = "H1"  # admission-time rejection of a request whose intake failed
     H2 = "H2"  # prefill never reports success over a pending abort
