@@ -21,9 +21,9 @@ from packaging.version import InvalidVersion, Version
 
 from .errors import HardenedError
 from .policy import knobs_for
+from .runtime.identity import INFO_ROUTES
 from .runtime.startup import LIMITS_ROUTE
 
-INFO_ROUTES = ("/server_info", "/get_server_info")
 CHECKSUM_FIELD = "disaggregation_enable_kv_checksum"
 CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"

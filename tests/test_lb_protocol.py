@@ -44,6 +44,7 @@ class Role:
     events: list[dict] = field(default_factory=lambda: [{"text": "hi", "output_ids": [1]}])
     event_gap_s: float = 0.0
     drop: bool = False  # close the connection instead of answering
+    hardened: bool = False  # what its /server_info says of its build
     requests: list[dict] = field(default_factory=list)
     aborts: list[tuple[str, float]] = field(default_factory=list)
     answered_at: float | None = None
@@ -83,6 +84,9 @@ class Role:
     async def health(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def server_info(self, _request: web.Request) -> web.Response:
+        return web.json_response({"hardening": {"hardened": self.hardened}})
+
 
 class Stands:
     """Prefill and decode stand-ins served from one background event loop."""
@@ -100,6 +104,7 @@ class Stands:
         app.router.add_post("/generate", role.generate)
         app.router.add_post("/abort_request", role.abort)
         app.router.add_get("/health", role.health)
+        app.router.add_get("/server_info", role.server_info)
         runner = web.AppRunner(app, shutdown_timeout=1)
         await runner.setup()
         port = free_port()
@@ -396,3 +401,26 @@ def test_requests_over_the_cap_get_503_and_the_rest_are_served(rig):
     for c in clients:
         c.join()
     assert results == [200] * MAX_REQUESTS
+
+
+NOT_HARDENED = "is not a hardened SGLang build"
+
+
+@roles()
+def test_the_lb_says_when_a_worker_is_not_hardened(rig):
+    """Review finding: the lb aborts decode once prefill answers, which ends the KV send only on
+    hardened servers; on main it said nothing in front of upstream ones."""
+    stands, lb = rig
+    assert post(lb.url, b'{"text": "x"}')[0] == 200  # it serves either way
+    lb.stop()
+    log = lb.proc.stdout.read()
+    for role in stands.roles.values():
+        assert f"{role.url} {NOT_HARDENED}" in log, log
+
+
+@roles(Role(hardened=True), Role(hardened=True))
+def test_hardened_workers_get_no_such_warning(rig):
+    _, lb = rig
+    assert post(lb.url, b'{"text": "x"}')[0] == 200
+    lb.stop()
+    assert NOT_HARDENED not in lb.proc.stdout.read()

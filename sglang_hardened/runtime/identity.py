@@ -13,6 +13,7 @@ from functools import lru_cache
 from importlib import metadata
 
 MANIFEST_NAME = "hardened-manifest.json"
+INFO_ROUTES = ("/server_info", "/get_server_info")  # where a server serves server_info() (older releases: the second)
 
 log = logging.getLogger("sglang_hardened")
 
