@@ -22,11 +22,10 @@ from packaging.version import InvalidVersion, Version
 from .errors import HardenedError
 from .policy import knobs_for
 from .runtime.identity import INFO_ROUTES
-from .runtime.startup import LIMITS_ROUTE
+from .runtime.startup import DEFERRED_ENV, LIMITS_ROUTE
 
 CHECKSUM_FIELD = "disaggregation_enable_kv_checksum"
 CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"
-DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 DEFERRED_DEFAULT_ON = Version("0.5.21")  # upstream turned it on by default in 0.5.21
 # Both roles must lay pages out alike, or decode reads prefill's bytes as something else.
 LAYOUT_FIELDS = ("page_size", "kv_cache_dtype", "dtype", "enable_page_major_kv_layout")
@@ -104,6 +103,10 @@ def probe(role: str, url: str, timeout: float = 10.0) -> Node:
 
 
 def _deferred_release(node: Node) -> str:
+    """What the node says is in effect (a hardened build's /server_info), else its version's default."""
+    live = node.hardening.get("deferred_decode_kv_release")
+    if isinstance(live, bool):
+        return "on" if live else "OFF"
     try:
         on_by_default = Version(node.base) >= DEFERRED_DEFAULT_ON
     except InvalidVersion:
@@ -136,7 +139,10 @@ def judge(nodes: list[Node]) -> list[Finding]:
             out.append(Finding("unsafe", where, f"KV pool holds {pool} tokens, fewer than the context length {context}",
                                f"give the pool more memory (--mem-fraction-static, --max-total-tokens) "
                                f"or lower --context-length to at most {pool}"))
-        if n.role == "decode" and "not observable" in _deferred_release(n):
+        if _deferred_release(n) == "OFF":
+            out.append(Finding("unsafe", where, "deferred KV release is off: decode gives a failed request's pages "
+                               "away while a write can still land in them", f"unset {DEFERRED_ENV}"))
+        elif n.role == "decode" and "not observable" in _deferred_release(n):
             out.append(Finding("warn", where, f"deferred KV release is off by default on {n.base} and cannot be read remotely",
                                f"start with `sglang-hardened launch` or set {DEFERRED_ENV}=1"))
         if _checksum_recommended(n) and n.get(CHECKSUM_FIELD) is False:

@@ -67,6 +67,7 @@ def test_hardened_wheel_installs_and_says_what_it_carries(base, built, patches, 
                 for block in added_blocks(hunk):
                     assert block in probe["patched"][fp.target], (patch.name, hunk.header, block)
     assert probe["server_info"]["hardening_ids"] == series.hardening_ids
+    assert probe["server_info"]["deferred_decode_kv_release"] is True  # on by default on every base
     assert "H0" in probe["startup_line"] and version in probe["startup_line"]
 
     info = subprocess.run([str(python.parent / "sglang-hardened"), "info", "--json"],

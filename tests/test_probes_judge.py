@@ -44,6 +44,14 @@ def test_unreachable_and_old_unhardened_nodes():
     assert ("warn", "decode http://d", "deferred KV release is off by default on 0.5.20 and cannot be read remotely") in found
 
 
+def test_deferred_release_is_judged_from_what_the_node_says_is_in_effect():
+    """Review finding: preflight judged deferred release from the version, not the live setting."""
+    off = {"hardening": {**HARDENING, "deferred_decode_kv_release": False}}
+    assert ("unsafe", "deferred KV release is off") in _findings(off, off)
+    on_old = {"version": "0.5.20+hardened.9", "hardening": {**HARDENING, "base": "0.5.20", "deferred_decode_kv_release": True}}
+    assert not {f for f in _findings(on_old, on_old) if "deferred" in f[1]}
+
+
 def test_canary_flags_an_answer_with_another_tenants_canary_probes_included():
     canaries = {"tenant-0": "CANARY-a", "tenant-1": "CANARY-b"}
     clean = [("CANARY-a is mine", Reply(200, (1,), '{"text": "CANARY-a"}', 0.1))]

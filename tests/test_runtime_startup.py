@@ -132,3 +132,22 @@ def test_override_lets_decode_serve_a_prefill_with_a_lower_limit(bootstrap_serve
     with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
         assert startup.check_prefill_limits(addr) is True
     assert "Serving anyway" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No"])
+def test_a_pd_server_with_deferred_release_off_is_refused(value, monkeypatch):
+    """Review finding: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0 turned H5 off with a log line."""
+    monkeypatch.setenv(startup.DEFERRED_ENV, value)
+    monkeypatch.delenv(startup.RELEASE_OVERRIDE_ENV, raising=False)
+    with pytest.raises(UnsafeConfiguration, match=rf"H5: {startup.DEFERRED_ENV}={value} turns deferred"):
+        startup.check_release_setting("decode")
+    startup.check_release_setting("null")  # not a PD server: nothing to hold
+
+
+def test_deferred_release_override_starts_and_says_so(monkeypatch, caplog):
+    monkeypatch.setenv(startup.DEFERRED_ENV, "0")
+    monkeypatch.setenv(startup.RELEASE_OVERRIDE_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
+        startup.check_release_setting("prefill")
+    assert f"{startup.RELEASE_OVERRIDE_ENV}=1 overrides this check" in caplog.text
+    assert startup.deferred_release_on({}) and startup.deferred_release_on({startup.DEFERRED_ENV: "1"})

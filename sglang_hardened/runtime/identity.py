@@ -29,7 +29,11 @@ def manifest() -> dict | None:
 
 
 def server_info() -> dict:
-    """The `hardening` field of /server_info: enough for preflight to judge a node."""
+    """The `hardening` field of /server_info: enough for preflight to judge a node, with
+    the release settings in effect in this server's environment (not its version's defaults)."""
+    from .startup import deferred_release_on
+    from .transfer_bounds import process_release_timeout_s
+
     found = manifest()
     if found is None:
         return {"hardened": False}
@@ -40,6 +44,8 @@ def server_info() -> dict:
         "hardening_ids": found["hardening_ids"],
         "patches": [p["name"] for p in found["patches"]],
         "tool_version": found["tool"]["version"],
+        "deferred_decode_kv_release": deferred_release_on(),
+        "release_timeout_s": process_release_timeout_s(),
     }
 
 

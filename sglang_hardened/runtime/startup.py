@@ -1,4 +1,4 @@
-"""H7: refuse PD configurations that let a prompt fit one role and not the other.
+"""Refuse PD configurations that defeat the hardening: H7's limits and H5's release setting.
 
 A prefill or decode server whose KV pool holds fewer tokens than its context
 length accepts prompts it cannot hold; upstream then substitutes a one-token
@@ -13,6 +13,11 @@ upstream decode's parsing of /route is untouched); a hardened decode checks
 it where upstream checks the page size. Decode does not stop on a mismatch,
 since the prefill address can come from a request: that prefill is "not
 ready" to upstream, which retries and then fails the requests for it.
+
+H5 holds a failed request's decode pages until prefill's writes drained, on
+top of upstream's deferred decode KV release; turning that off
+(DEFERRED_ENV=0) would turn H5 off with nothing but a log line, so a hardened
+PD server refuses to start with it off unless RELEASE_OVERRIDE_ENV says so.
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ import os
 import urllib.error
 import urllib.request
 from collections import OrderedDict
+from collections.abc import Mapping
 
 # One override for both H7 checks: a pool below the context is what makes the
 # roles' input limits differ, and tests of the deeper layers need both off.
 OVERRIDE_ENV = "SGLANG_HARDENED_ALLOW_UNSAFE_KV_LIMITS"
 PD_MODES = ("prefill", "decode")
+DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
+RELEASE_OVERRIDE_ENV = "SGLANG_HARDENED_ALLOW_EARLY_RELEASE"
+FALSE_VALUES = ("false", "0", "no", "n")  # what upstream's EnvBool reads as off
 LIMITS_ROUTE = "/hardened/limits"
 REGISTRATION_FIELD = "hardened_max_req_input_len"
 
@@ -56,10 +65,32 @@ class UnsafeConfiguration(RuntimeError):
 
 
 def check_pd_limits(mode: str, pool_tokens: int, context_len: int, max_req_input_len: int) -> None:
-    """Seam after the scheduler sizes its pool: record the input limit, check the pool."""
+    """Seam after the scheduler sizes its pool: record the input limit, check the pool and H5's setting."""
     global _own_input_limit
     _own_input_limit = max_req_input_len
     check_kv_pool(mode, pool_tokens, context_len)
+    check_release_setting(mode)
+
+
+def deferred_release_on(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether deferred decode KV release is on here (on unless set off: upstream's default from
+    0.5.21, the hardened series' on 0.5.19 and 0.5.20)."""
+    return environ.get(DEFERRED_ENV, "1").strip().lower() not in FALSE_VALUES
+
+
+def check_release_setting(mode: str) -> None:
+    """Raise on a PD server with deferred release off (unless its override is set, logged)."""
+    if mode not in PD_MODES or deferred_release_on():
+        return
+    message = (
+        f"sglang-hardened H5: {DEFERRED_ENV}={os.environ[DEFERRED_ENV]} turns deferred decode KV release "
+        f"off, and with it the hold of a failed request's decode pages until prefill's writes into them "
+        f"drained: decode would give pages to other requests while a write can still land in them. "
+        f"Remedy: unset it. To start anyway, set {RELEASE_OVERRIDE_ENV}=1 (logged)."
+    )
+    if not _overridden(message, "Starting anyway", RELEASE_OVERRIDE_ENV):
+        log.error(message)
+        raise UnsafeConfiguration(message)
 
 
 def check_kv_pool(mode: str, pool_tokens: int, context_len: int) -> None:
@@ -78,11 +109,11 @@ def check_kv_pool(mode: str, pool_tokens: int, context_len: int) -> None:
         raise UnsafeConfiguration(message)
 
 
-def _overridden(message: str, going_on: str) -> bool:
+def _overridden(message: str, going_on: str, override_env: str = OVERRIDE_ENV) -> bool:
     """Whether the operator's override is set; if so, log that it overrode ``message``."""
-    if os.environ.get(OVERRIDE_ENV) != "1":
+    if os.environ.get(override_env) != "1":
         return False
-    log.warning("%s %s: %s=1 overrides this check.", message, going_on, OVERRIDE_ENV)
+    log.warning("%s %s: %s=1 overrides this check.", message, going_on, override_env)
     return True
 
 
