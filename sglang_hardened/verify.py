@@ -1,11 +1,11 @@
-"""Check a base's series without building: headers, listing, and a dry run on upstream."""
+"""Check a base's series without building: headers, listing, the seam rule, and a dry run on upstream."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import unidiff
+from . import seams, unidiff
 from .errors import HardenedError
 from .fetch import fetch_wheel
 from .lock import get_pin
@@ -51,5 +51,9 @@ def verify_base(patches: Path, base: str) -> list[PatchStatus]:
             status = _describe(results)
         except HardenedError as exc:
             status = f"FAILED: {exc}"
+        if status.startswith("ok") and (glue := seams.over_budget(patch.headers["Origin"], patch.diff)):
+            status = "FAILED: more than the seam rule allows besides runtime calls " + "; ".join(
+                f"({len(lines)} > {seams.GLUE_LINES_MAX} lines in {path}: {', '.join(lines[:4])})"
+                for path, lines in glue.items())
         rows.append(PatchStatus(base, patch.name, patch.hardening_id, status))
     return rows

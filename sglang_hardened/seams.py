@@ -1,0 +1,52 @@
+"""The seam rule, checked: a vendor patch adds calls into the runtime layer, and little else.
+
+Upstream files carry thin seams (an import, a call, its arguments) so that the
+hardening logic is written and tested once in ``sglang_hardened/runtime`` and a
+rebase has little to carry. What a seam may add besides is glue: a ``return`` or
+``continue`` the call's answer decides, a line upstream's control flow needs. A
+vendor patch adds at most GLUE_LINES_MAX such lines to any one upstream file;
+backports (``Origin: backport``) keep upstream's own shape instead and are not held
+to it. ``sglang-hardened verify`` fails a patch over the budget, naming the lines.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from . import unidiff
+
+GLUE_LINES_MAX = 3  # per vendor patch and upstream file
+RUNTIME_MARK = "hardened"  # every seam imports the runtime as ``hardened_<module>`` (or names sglang_hardened)
+
+
+def _added_lines(hunk: unidiff.Hunk) -> list[str]:
+    ops = difflib.SequenceMatcher(a=hunk.old, b=hunk.new, autojunk=False).get_opcodes()
+    return [line for tag, _, _, j1, j2 in ops if tag in ("insert", "replace") for line in hunk.new[j1:j2]]
+
+
+def _depth(line: str) -> int:
+    return sum(line.count(c) for c in "([{") - sum(line.count(c) for c in ")]}")
+
+
+def glue_lines(diff: str) -> dict[str, list[str]]:
+    """Per upstream file, the lines the diff adds that are not a runtime call or its arguments."""
+    glue: dict[str, list[str]] = {}
+    for fp in unidiff.parse(diff):
+        for hunk in fp.hunks:
+            open_call = 0  # brackets still open in a runtime call
+            for raw in _added_lines(hunk):
+                line = raw.strip()
+                if not line or line.startswith("#"):
+                    continue
+                if open_call > 0 or RUNTIME_MARK in line:
+                    open_call = max(0, open_call + _depth(line))
+                else:
+                    glue.setdefault(fp.target, []).append(line)
+    return glue
+
+
+def over_budget(origin: str, diff: str) -> dict[str, list[str]]:
+    """The files where a vendor patch adds more glue than GLUE_LINES_MAX (none for a backport)."""
+    if not origin.startswith("vendor"):
+        return {}
+    return {path: lines for path, lines in glue_lines(diff).items() if len(lines) > GLUE_LINES_MAX}
