@@ -50,3 +50,25 @@ def test_a_run_pytest_starts_alone_is_not_held_to_the_budget():
                           capture_output=True, text=True, cwd=REPO, timeout=300,
                           env={k: v for k, v in os.environ.items() if k != STARTED_ENV})
     assert done.returncode == 0 and "budget (tests/budget.toml)" not in done.stdout, done.stdout
+
+
+def test_the_leftovers_check_names_a_marked_process_and_a_held_port():
+    """What the e2e session's end checks (tests/e2e/conftest.py) once every cluster is torn down."""
+    import socket
+    import uuid
+
+    from sglang_hardened.sandbox.cluster import MARKER, leftovers
+
+    run_id = uuid.uuid4().hex
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, MARKER: run_id})
+    try:
+        assert leftovers([port], run_id) == [f"process {child.pid}", f"port {port}"]
+    finally:
+        child.kill()
+        child.wait()
+        held.close()
+    assert leftovers([port], run_id) == []

@@ -228,6 +228,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def leftovers(ports: list[int], run_id: str | None = None) -> list[str]:
+    """What the harness left behind: live marked processes (of ``run_id``, or any), and which of
+    ``ports`` someone holds."""
+    found = [f"process {pid}" for pid in marked_pids(run_id)]
+    return found + [f"port {port}" for port in sorted(set(ports)) if port_in_use(port)]
+
+
 def port_in_use(port: int) -> bool:
     """Someone listens on it (TIME_WAIT leftovers of closed connections do not count)."""
     with socket.socket() as s:

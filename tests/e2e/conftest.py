@@ -12,7 +12,7 @@ from sglang_hardened.sandbox.env import SandboxEnv, build_env, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
 from sglang_hardened.sandbox.oracle import Reply
 from sglang_hardened.table import format_table
-from tests.conftest import CLUSTER_START, SERVER_RESTART, phase
+from tests.conftest import CLUSTER_START, SERVER_RESTART, SESSION, phase
 
 OVERLAY = Path(__file__).parents[1] / "cpu_overlay"
 PORTS_USED: list[int] = []  # every port a cluster of this session held
@@ -77,11 +77,16 @@ def record_timing(scenario: str, base: str, backend: str, build: str, reply: Rep
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
+    """The client-wait table; and, once every test and cluster has been torn down, the
+    leftovers check: a process or port the harness left behind fails the run."""
     if TIMINGS:
         rows = [(s, base, backend, build, str(status), f"{seconds:.2f}")
                 for s, base, backend, build, status, seconds in sorted(set(TIMINGS))]
         terminalreporter.write_line("\nclient waits (same run):")
         terminalreporter.write_line(format_table(("scenario", "base", "backend", "build", "status", "seconds"), rows))
+    if PORTS_USED and (left := sbc.leftovers(PORTS_USED)):
+        terminalreporter.write_line(f"LEFT BEHIND by the harness: {', '.join(left)}", red=True, bold=True)
+        SESSION[0].exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="module")
