@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_hardened.runtime import FAKE_BOOTSTRAP_HOST, coverage, outcomes
+from sglang_hardened.runtime import coverage, outcomes
+from sglang_hardened.runtime.warmup import FAKE_BOOTSTRAP_HOST
 from sglang_hardened.runtime.outcomes import OutcomeLog, Verdicts
 from tests.conftest import eventually
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 
-from . import FAKE_BOOTSTRAP_HOST, abort_before_decode
+from .refusal import abort_before_decode
+from .warmup import FAKE_BOOTSTRAP_HOST
 
 # Slots 1 and 2 of the metadata's bootstrap_room row (slot 0 is the room).
 STAMP_MAGIC = 0x4833_434F_5645_5231  # "H3COVER1": tells a stamp from a zeroed or stale slot

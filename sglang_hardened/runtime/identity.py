@@ -32,7 +32,7 @@ def server_info() -> dict:
     """The `hardening` field of /server_info: enough for preflight to judge a node, with
     the release settings in effect in this server's environment (not its version's defaults)."""
     from .startup import deferred_release_on
-    from .transfer_bounds import process_release_timeout_s
+    from .release_timeout import process_release_timeout_s
 
     found = manifest()
     if found is None:

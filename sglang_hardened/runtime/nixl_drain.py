@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .transfer_bounds import process_release_timeout_s
+from .release_timeout import process_release_timeout_s
 
 SETTLED = ("DONE", "ERR")
 POLL_S = 0.05

@@ -44,7 +44,7 @@ import urllib.request
 from collections.abc import Container
 from dataclasses import dataclass
 
-from . import FAKE_BOOTSTRAP_HOST
+from .warmup import FAKE_BOOTSTRAP_HOST
 
 OUTCOMES_ROUTE = "/hardened/outcomes"
 # How long an outcome stays visible: a decode may meet a prefill's request

@@ -29,7 +29,8 @@ import struct
 
 import torch
 
-from . import FAKE_BOOTSTRAP_HOST, abort_before_decode
+from .refusal import abort_before_decode
+from .warmup import FAKE_BOOTSTRAP_HOST
 from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
 from .page_tags_cost import CostMeter
 

@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .transfer_bounds import process_release_timeout_s
+from .release_timeout import process_release_timeout_s
 
 PROBE_INTERVAL_S = 0.25
 PROBE_TIMEOUT_S = 1.0

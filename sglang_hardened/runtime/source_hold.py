@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .transfer_bounds import process_release_timeout_s
+from .release_timeout import process_release_timeout_s
 
 log = logging.getLogger("sglang_hardened")
 

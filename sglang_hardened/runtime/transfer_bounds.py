@@ -30,9 +30,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .release_timeout import release_timeout_s
+
 MAX_ENTRIES_ENV = "SGLANG_HARDENED_TRANSFER_MAX_ENTRIES"
 LINK_RATE_ENV = "SGLANG_HARDENED_TRANSFER_LINK_RATE"
-RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 
 Batch = tuple[list[int], list[int], list[int]]  # sources, destinations, lengths: one engine call
 Write = Callable[[str, list[int], list[int], list[int]], int]
@@ -74,19 +75,6 @@ def split(srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int], boun
             offset += piece
     if batch[0]:
         yield batch
-
-
-def release_timeout_s(environ: Mapping[str, str]) -> float:
-    """Decode's deferred-release timeout in this environment (upstream's default unless set)."""
-    from ..policy import load_limits
-
-    return float(environ.get(RELEASE_TIMEOUT_ENV, load_limits("H6")["release_timeout_s"]))
-
-
-@lru_cache(maxsize=1)
-def process_release_timeout_s() -> float:
-    """``release_timeout_s`` of this process's environment, read once: seams ask on every poll."""
-    return release_timeout_s(os.environ)
 
 
 def bounds_from(environ: Mapping[str, str]) -> Bounds:
