@@ -14,13 +14,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_hardened.build import build_one
-from sglang_hardened.fetch import fetch_wheel
-from sglang_hardened.lock import get_pin
-from sglang_hardened.paths import patches_dir
-from sglang_hardened.series import load_series
-
 from floor_report import print_against_floor  # benchmarks/ is on sys.path when run as a script
+
+from sglang_hardened.common.paths import patches_dir
+from sglang_hardened.pipeline.build import build_one
+from sglang_hardened.pipeline.fetch import fetch_wheel
+from sglang_hardened.pipeline.lock import get_pin
+from sglang_hardened.pipeline.series import load_series
 
 
 def floor(wheel: Path) -> float:

@@ -16,10 +16,10 @@ import argparse
 import statistics
 import time
 
+from sglang_hardened.common.table import format_table
 from sglang_hardened.sandbox.cluster import ClusterParams, start
 from sglang_hardened.sandbox.env import build_env, default_overlay, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
-from sglang_hardened.table import format_table
 
 PROMPT = "the key to the page cache is " * 4
 SAFE = dict(prefill_pool_tokens=2048, decode_pool_tokens=4096, context_length=1024)

@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_hardened.build import build
-from sglang_hardened.image import build_image
-
 from floor_report import print_against_floor  # benchmarks/ is on sys.path when run as a script
+
+from sglang_hardened.image.build import build_image
+from sglang_hardened.pipeline.build import build
 
 REPO = Path(__file__).resolve().parent.parent
 TAG = "localhost/sglang-hardened-bench:latest"

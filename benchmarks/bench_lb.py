@@ -19,11 +19,11 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from sglang_hardened.common.table import format_table
+from sglang_hardened.operations.oracle import generate
 from sglang_hardened.sandbox.cluster import ClusterParams, start
 from sglang_hardened.sandbox.env import build_env, default_overlay, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
-from sglang_hardened.sandbox.oracle import generate
-from sglang_hardened.table import format_table
 
 PROMPT = "the key to the page cache is " * 4
 WARMUP = 5

@@ -34,17 +34,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+# benchmarks/ is on sys.path when run as a script
+from bench_cluster import PROMPT, SAFE
+from gpu_page_tags import measure
 
+from sglang_hardened.common.table import format_table
+from sglang_hardened.operations.oracle import generate
 from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV, read_cost_lines
 from sglang_hardened.sandbox.cluster import ClusterParams, start
 from sglang_hardened.sandbox.env import build_env, default_overlay, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
-from sglang_hardened.sandbox.oracle import generate
-from sglang_hardened.table import format_table
-
-# benchmarks/ is on sys.path when run as a script
-from bench_cluster import PROMPT, SAFE
-from gpu_page_tags import measure
 
 SHORT_ANSWER = 8  # tokens of the answer the long one is compared with
 

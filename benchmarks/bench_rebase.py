@@ -13,14 +13,14 @@ import argparse
 import time
 import zipfile
 
-from sglang_hardened import unidiff
-from sglang_hardened.fetch import fetch_wheel
-from sglang_hardened.lock import load_lock
-from sglang_hardened.paths import patches_dir
-from sglang_hardened.rebase import rebase
-from sglang_hardened.series import load_series
-
 from floor_report import print_against_floor  # benchmarks/ is on sys.path when run as a script
+
+from sglang_hardened.common.paths import patches_dir
+from sglang_hardened.pipeline import unidiff
+from sglang_hardened.pipeline.fetch import fetch_wheel
+from sglang_hardened.pipeline.lock import load_lock
+from sglang_hardened.pipeline.rebase import rebase
+from sglang_hardened.pipeline.series import load_series
 
 
 def main() -> None:

@@ -23,11 +23,11 @@ import statistics
 
 from floor_report import print_against_floor  # benchmarks/ is on sys.path when run as a script
 
-from sglang_hardened.policy import load_limits
+from sglang_hardened.common.table import format_table
+from sglang_hardened.runtime.policy import load_limits
 from sglang_hardened.runtime.transfer_bounds import bounds_from
 from sglang_hardened.sandbox.env import build_env, default_overlay, upstream_wheel
 from sglang_hardened.sandbox.mooncake_pair import Case, run
-from sglang_hardened.table import format_table
 
 BIG_ENTRY_BYTES = 16 << 10  # the many-call write's entries: a page of a small model's layer
 

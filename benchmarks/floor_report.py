@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from sglang_hardened.table import format_table
+from sglang_hardened.common.table import format_table
 
 
 def print_against_floor(floor_label: str, floors: list[float], label: str, runs: list[float],

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_hardened.common.table import format_table
 from sglang_hardened.runtime.page_tags import DecodePageTags, TagBuffer
-from sglang_hardened.table import format_table
 
 
 @dataclass(frozen=True)

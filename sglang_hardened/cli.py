@@ -1,18 +1,13 @@
-"""The `sglang-hardened` command: parsing and printing only; the work lives in modules."""
+"""The `sglang-hardened` command: one group of every layer's commands (each layer's cli.py)."""
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import click
 
 from . import __version__
-from .errors import HardenedError
-from .lock import get_pin, load_lock
-from .paths import patches_dir
-from .table import format_table
+from .common.errors import HardenedError
 
 
 class Group(click.Group):
@@ -26,16 +21,6 @@ class Group(click.Group):
             sys.exit(1)
 
 
-def _bases(base: str | None, all_bases: bool) -> list[str]:
-    if all_bases == bool(base):
-        raise click.UsageError("give exactly one of --base V or --all")
-    return list(load_lock(patches_dir())) if all_bases else [base]
-
-
-def _progress(message: str) -> None:
-    click.echo(f"  {message}", err=True)
-
-
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="sglang-hardened")
 def main() -> None:
@@ -47,225 +32,18 @@ def main() -> None:
     """
 
 
-@main.command()
-@click.option("--base", help="Upstream release, e.g. 0.5.23.")
-@click.option("--all", "all_bases", is_flag=True, help="Every supported base.")
-@click.option("--refresh", is_flag=True, help="Download again even if cached.")
-def fetch(base: str | None, all_bases: bool, refresh: bool) -> None:
-    """Download the pinned upstream wheel, verify its sha256 and cache it.
-
-    \b
-    Example:
-      sglang-hardened fetch --base 0.5.19
-    """
-    from .fetch import fetch_wheel
-
-    patches = patches_dir()
-    rows = []
-    for name in _bases(base, all_bases):
-        pin = get_pin(patches, name)
-        path = fetch_wheel(pin, refresh=refresh, quiet=False)
-        rows.append((name, pin.sha256[:16] + "…", path))
-    click.echo(format_table(("base", "sha256", "cached at"), rows))
-
-
-@main.command()
-@click.option("--base", help="Upstream release, e.g. 0.5.23.")
-@click.option("--all", "all_bases", is_flag=True, help="Every supported base.")
-def verify(base: str | None, all_bases: bool) -> None:
-    """Check each series: headers, listing, and a dry run on the pinned upstream.
-
-    \b
-    Example:
-      sglang-hardened verify --all
-    """
-    from .verify import verify_base
-
-    patches = patches_dir()
-    rows = [r for name in _bases(base, all_bases) for r in verify_base(patches, name)]
-    click.echo(format_table(("base", "patch", "id", "status"),
-                            [(r.base, r.patch, r.hardening_id, r.status) for r in rows]))
-    if not all(r.ok for r in rows):
-        sys.exit(1)
-
-
-@main.command()
-@click.option("--base", help="Upstream release, e.g. 0.5.23.")
-@click.option("--all", "all_bases", is_flag=True, help="Every supported base.")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("dist"),
-              show_default=True, help="Directory for the wheels.")
-def build(base: str | None, all_bases: bool, out_dir: Path) -> None:
-    """Build hardened sglang wheel(s) plus the sglang-hardened wheel.
-
-    Output appears all together or not at all. Install the result with
-    pip install --no-index --no-deps --find-links DIR "sglang==V+hardened.N" sglang-hardened
-
-    \b
-    Example:
-      sglang-hardened build --base 0.5.23 --out dist/
-    """
-    from .build import build as run_build
-
-    bases = _bases(base, all_bases)
-    results, tool = run_build(bases, out_dir, progress=_progress)
-    rows = [(r.base, r.version, " ".join(r.manifest["hardening_ids"]), r.wheel) for r in results]
-    rows.append(("-", __version__, "-", tool))
-    click.echo(format_table(("base", "version", "hardening", "wheel"), rows))
-
-
-@main.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
-def info(as_json: bool) -> None:
-    """Say what the installed sglang carries (its hardening manifest).
-
-    \b
-    Example:
-      sglang-hardened info --json
-    """
-    from .runtime.identity import manifest
-
-    found = manifest()
-    if found is None:
-        raise HardenedError("the installed sglang is not a hardened build (no hardening manifest)")
-    if as_json:
-        click.echo(json.dumps(found, indent=2, sort_keys=True))
-        return
-    click.echo(f"sglang {found['version']} (upstream {found['upstream']['file']}, "
-               f"sha256 {found['upstream']['sha256']})")
-    click.echo(format_table(("patch", "id", "sha256", "summary"),
-                            [(p["name"], p["hardening_id"], p["sha256"][:16] + "…", p["summary"])
-                             for p in found["patches"]]))
-
-
-@main.group()
-def policy() -> None:
-    """The hardening policy: defaults applied by `launch` and the image.
-
-    \b
-    Example:
-      sglang-hardened policy show --base 0.5.19
-    """
-
-
-@policy.command("show")
-@click.option("--base", required=True, help="Upstream release, e.g. 0.5.19.")
-def policy_show(base: str) -> None:
-    """Print the knobs that apply to a base.
-
-    \b
-    Example:
-      sglang-hardened policy show --base 0.5.23
-    """
-    from .policy import knobs_for
-
-    click.echo(format_table(("id", "knob", "value", "scope", "why"), [
-        (k.id, k.name, k.value or "on", "PD only" if k.pd_only else "all", k.why.split(";")[0])
-        for k in knobs_for(base)
-    ]))
-
-
-@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--base", help="Upstream release whose policy applies (default: the installed sglang's).")
-@click.option("--dry-run", is_flag=True, help="Print what would be set and the command; start nothing.")
-@click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
-def launch(base: str | None, dry_run: bool, sglang_args: tuple[str, ...]) -> None:
-    """Start SGLang's server with the hardening policy applied.
-
-    Each value the policy sets, and each one you overrode, is logged.
-
-    \b
-    Example:
-      sglang-hardened launch -- --model-path /models/llama --disaggregation-mode prefill
-    """
-    import os
-
-    from .launch import exec_sglang, installed_base, plan
-
-    result = plan(base or installed_base(), list(sglang_args), dict(os.environ))
-    click.echo(format_table(("id", "knob", "value", "outcome"),
-                            [(d.id, d.name, d.value, d.outcome) for d in result.decisions]), err=True)
-    if dry_run:
-        click.echo(" ".join(["python", "-m", "sglang.launch_server", *result.argv]))
-        return
-    exec_sglang(result)
-
-
-@main.command()
-@click.option("--from", "source", required=True, help="Base whose series is carried, e.g. 0.5.23.")
-@click.option("--to", "target", required=True, help="Newer upstream release, e.g. 0.5.24.")
-@click.option("--force", is_flag=True, help="Replace an existing series for the target.")
-@click.option("--report", type=click.Path(path_type=Path), help="Also write a markdown report here.")
-@click.option("--rejects", type=click.Path(path_type=Path), default=Path("rebase-rejects"),
-              show_default=True, help="Where conflicting files' three-way merges go.")
-def rebase(source: str, target: str, force: bool, report: Path | None, rejects: Path) -> None:
-    """Carry a series onto a newer upstream release and say, per patch, what happened.
-
-    Verdicts: applies, applies with offset, applies (3-way merge), already
-    upstream (dropped, recorded as Applied-Upstream), conflict (the merge with
-    its markers is written out; nothing else is written; exit 1).
-
-    \b
-    Example:
-      sglang-hardened rebase --from 0.5.23 --to 0.5.24 --report rebase.md
-    """
-    from .rebase import rebase as run_rebase
-    from .rebase import write_rejects, write_series
-
-    patches = patches_dir()
-    click.echo(f"carrying {source}'s series onto {target}…", err=True)
-    result = run_rebase(patches, source, target)
-    rows = [(v.patch.name, v.patch.hardening_id, v.verdict, v.detail) for v in result.verdicts]
-    table = format_table(("patch", "id", "verdict", "detail"), rows)
-    click.echo(table)
-    if report:
-        report.write_text(f"# Rebase of {source}'s series onto {target}\n\n"
-                          + "| patch | id | verdict | detail |\n|---|---|---|---|\n"
-                          + "".join(f"| {' | '.join(map(str, r))} |\n" for r in rows))
-    if not result.clean:
-        for path in write_rejects(result, rejects):
-            click.echo(f"conflict written to {path}", err=True)
-        raise HardenedError(f"rebase onto {target} needs a human: conflicts above; nothing written")
-    click.echo(f"wrote {write_series(patches, result, force=force)}")
-
-
-@main.group()
-def upstream() -> None:
-    """Upstream releases as the package index lists them.
-
-    \b
-    Example:
-      sglang-hardened upstream check
-    """
-
-
-@upstream.command("check")
-def upstream_check() -> None:
-    """List releases newer than the newest supported base (exit 0 either way).
-
-    \b
-    Example:
-      sglang-hardened upstream check
-    """
-    from .upstream import newer_releases
-
-    newer = newer_releases(patches_dir())
-    click.echo("\n".join(newer) if newer else "no release newer than the newest supported base")
-
-
-def _register_subgroups() -> None:
-    """Command groups that live beside the code they drive."""
-    from .image_command import image
+def _register() -> None:
+    """Each layer's commands live beside the code they drive, in its own cli.py."""
+    from .image.cli import image
     from .lb.cli import lb
     from .model.cli import model
-    from .probe_commands import canary, preflight
+    from .operations.cli import canary, info, launch, policy, preflight
+    from .pipeline.cli import build, fetch, rebase, upstream, verify
     from .sandbox.cli import sandbox
 
-    main.add_command(image)
-    main.add_command(lb)
-    main.add_command(model)
-    main.add_command(preflight)
-    main.add_command(canary)
-    main.add_command(sandbox)
+    for command in (fetch, verify, build, rebase, upstream, info, policy, launch, preflight, canary, image, lb,
+                    model, sandbox):
+        main.add_command(command)
 
 
-_register_subgroups()
+_register()

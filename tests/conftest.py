@@ -17,11 +17,11 @@ from types import ModuleType
 
 import pytest
 
-from sglang_hardened.build import build
-from sglang_hardened.lock import load_lock
-from sglang_hardened.paths import patches_dir
-from sglang_hardened.series import copy_without
-from sglang_hardened.table import format_table
+from sglang_hardened.common.paths import patches_dir
+from sglang_hardened.common.table import format_table
+from sglang_hardened.pipeline.build import build
+from sglang_hardened.pipeline.lock import load_lock
+from sglang_hardened.pipeline.series import copy_without
 from tests.budget import STARTED_ENV, Spent, load_budget, overruns
 
 REPO = Path(__file__).resolve().parent.parent

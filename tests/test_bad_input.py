@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_hardened.fetch import cached_path
-from sglang_hardened.lock import load_lock
+from sglang_hardened.pipeline.fetch import cached_path
+from sglang_hardened.pipeline.lock import load_lock
 
 BASE = "0.5.19"
 PATCH = "0001-h0-report-hardened-identity.patch"

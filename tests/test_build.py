@@ -12,12 +12,11 @@ import pytest
 from cyclonedx.schema import SchemaVersion
 from cyclonedx.validation.json import JsonStrictValidator
 
-from sglang_hardened import unidiff
-from sglang_hardened.build import build
-from sglang_hardened.hashing import sha256_file
-from sglang_hardened.lock import load_lock
-from sglang_hardened.series import load_series
-
+from sglang_hardened.common.hashing import sha256_file
+from sglang_hardened.pipeline import unidiff
+from sglang_hardened.pipeline.build import build
+from sglang_hardened.pipeline.lock import load_lock
+from sglang_hardened.pipeline.series import load_series
 
 # Read inside the venv without importing sglang's package __init__ (it needs
 # torch and the CUDA stack; the e2e harness checks `sglang.__version__` there).
@@ -91,7 +90,7 @@ def test_wheel_metadata_requires_the_runtime_layer_and_drops_nothing(built, patc
     results, _ = built
     result = results["0.5.23"]
     pin = load_lock(patches)["0.5.23"]
-    from sglang_hardened.fetch import cached_path
+    from sglang_hardened.pipeline.fetch import cached_path
 
     with zipfile.ZipFile(result.wheel) as hardened, zipfile.ZipFile(cached_path(pin)) as upstream:
         dist = f"sglang-{result.version}.dist-info/"

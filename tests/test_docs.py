@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sglang_hardened.lock import load_lock
-from sglang_hardened.series import load_series
-from sglang_hardened.stamp import hardened_version
+from sglang_hardened.pipeline.lock import load_lock
+from sglang_hardened.pipeline.series import load_series
+from sglang_hardened.pipeline.stamp import hardened_version
 
 
 def test_readme_bases_table_matches_lock_and_series(patches):

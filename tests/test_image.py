@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 
 from sglang_hardened import __version__
-from sglang_hardened.image import (DOCKERFILE, build_args, build_command, ensure_wheels,
-                                   tool_wheel_is_current, wheel_manifest)
-from sglang_hardened.lock import get_pin
-from sglang_hardened.policy import knobs_for
-from sglang_hardened.series import load_series
-from sglang_hardened.stamp import hardened_version
+from sglang_hardened.image.build import (DOCKERFILE, build_args, build_command, ensure_wheels, tool_wheel_is_current,
+                                         wheel_manifest)
+from sglang_hardened.pipeline.lock import get_pin
+from sglang_hardened.pipeline.series import load_series
+from sglang_hardened.pipeline.stamp import hardened_version
+from sglang_hardened.runtime.policy import knobs_for
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = "0.5.23"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_hardened.errors import HardenedError
-from sglang_hardened.launch import plan
-from sglang_hardened.policy import knobs_for, load_limits, load_policy
+from sglang_hardened.common.errors import HardenedError
+from sglang_hardened.operations.launch import plan
+from sglang_hardened.runtime.policy import knobs_for, load_limits, load_policy
 from sglang_hardened.runtime.transfer_bounds import LINK_RATE_ENV, MAX_ENTRIES_ENV
 
 DEFERRED = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"

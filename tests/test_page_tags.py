@@ -23,9 +23,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_hardened.policy import load_limits
 from sglang_hardened.runtime.page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
 from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV, CostMeter, read_cost_lines
+from sglang_hardened.runtime.policy import load_limits
 
 DECODE_PAGES = 12
 PREFILL_PAGES = 6

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from sglang_hardened import seams
-from sglang_hardened.series import load_series
+from sglang_hardened.pipeline import seams
+from sglang_hardened.pipeline.series import load_series
 
 SEAM = '''--- a/sglang/srt/x.py
 +++ b/sglang/srt/x.py

@@ -6,9 +6,9 @@ them). canary: an answer holding another tenant's canary (the tiny sandbox model
 
 from __future__ import annotations
 
-from sglang_hardened.canary import _cross_tenant
-from sglang_hardened.preflight import Node, judge
-from sglang_hardened.sandbox.oracle import Reply
+from sglang_hardened.operations.canary import _cross_tenant
+from sglang_hardened.operations.oracle import Reply
+from sglang_hardened.operations.preflight import Node, judge
 
 HARDENING = {"hardened": True, "base": "0.5.23", "version": "0.5.23+hardened.1", "hardening_ids": ["H0", "H7"]}
 SAFE = {"version": "0.5.23+hardened.1", "hardening": HARDENING, "max_total_num_tokens": 4096, "context_length": 1024,

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sglang_hardened.lock import load_lock
-from sglang_hardened.series import load_series
-from sglang_hardened.stamp import hardened_version
+from sglang_hardened.pipeline.lock import load_lock
+from sglang_hardened.pipeline.series import load_series
+from sglang_hardened.pipeline.stamp import hardened_version
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

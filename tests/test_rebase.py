@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
-from sglang_hardened.build import build
-from sglang_hardened.lock import load_lock
-from sglang_hardened.rebase import APPLIES, CONFLICT, MERGED, OFFSET, UPSTREAM, rebase, write_series
-from sglang_hardened.series import load_series
-from sglang_hardened.verify import verify_base
+from sglang_hardened.pipeline.build import build
+from sglang_hardened.pipeline.lock import load_lock
+from sglang_hardened.pipeline.rebase import APPLIES, CONFLICT, MERGED, OFFSET, UPSTREAM, rebase, write_series
+from sglang_hardened.pipeline.series import load_series
+from sglang_hardened.pipeline.verify import verify_base
 
 H0 = "0001-h0-report-hardened-identity.patch"
 H7 = "0002-h7-refuse-kv-pool-smaller-than-context.patch"

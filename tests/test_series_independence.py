@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_hardened.errors import HardenedError
-from sglang_hardened.series import copy_without, load_series
-from sglang_hardened.verify import verify_base
+from sglang_hardened.common.errors import HardenedError
+from sglang_hardened.pipeline.series import copy_without, load_series
+from sglang_hardened.pipeline.verify import verify_base
 
 LEFT_OUT = [("H1",), ("H2",), ("H3",), ("H4",), ("H1", "H3")]
 

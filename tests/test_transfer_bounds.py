@@ -13,11 +13,11 @@ from collections import Counter
 
 import pytest
 
-from sglang_hardened.policy import load_limits
 from sglang_hardened.runtime import transfer_bounds
+from sglang_hardened.runtime.policy import load_limits
 from sglang_hardened.runtime.release_timeout import RELEASE_TIMEOUT_ENV
-from sglang_hardened.runtime.transfer_bounds import (LINK_RATE_ENV, MAX_ENTRIES_ENV, Bounds,
-                                                     batch_transfer_sync, bounds_from, split)
+from sglang_hardened.runtime.transfer_bounds import (LINK_RATE_ENV, MAX_ENTRIES_ENV, Bounds, batch_transfer_sync,
+                                                     bounds_from, split)
 
 # Mooncake TCP (0.3.13, default settings) rejects one call of more than about this many entries.
 MOONCAKE_TCP_ENTRIES_PER_CALL = 2050

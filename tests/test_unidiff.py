@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_hardened import unidiff
+from sglang_hardened.pipeline import unidiff
 
 DIFF = """--- a/f.py
 +++ b/f.py

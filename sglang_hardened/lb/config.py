@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import HardenedError
+from ..common.errors import HardenedError
 
 
 @dataclass(frozen=True)

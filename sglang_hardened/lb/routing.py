@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Protocol
 
-from ..errors import HardenedError
+from ..common.errors import HardenedError
 from .workers import Worker
 
 ENTRY_POINT_GROUP = "sglang_hardened.lb.routing"

@@ -34,7 +34,7 @@ Start = tuple[int, int] | None  # (perf_counter_ns, thread_time_ns) when meterin
 
 @functools.cache
 def _default_every() -> int:
-    from ..policy import load_limits
+    from .policy import load_limits
 
     return int(load_limits("H8")["cost_report_every"])
 

@@ -17,7 +17,7 @@ RELEASE_TIMEOUT_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"
 
 def release_timeout_s(environ: Mapping[str, str]) -> float:
     """Decode's deferred-release timeout in this environment (upstream's default unless set)."""
-    from ..policy import load_limits
+    from .policy import load_limits
 
     return float(environ.get(RELEASE_TIMEOUT_ENV, load_limits("H6")["release_timeout_s"]))
 

@@ -79,7 +79,7 @@ def split(srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int], boun
 
 def bounds_from(environ: Mapping[str, str]) -> Bounds:
     """The bounds for a process with this environment: the policy's numbers, env overriding."""
-    from ..policy import load_limits
+    from .policy import load_limits
 
     limits = load_limits("H6")
     timeout_s = release_timeout_s(environ)

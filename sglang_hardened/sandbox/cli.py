@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
+from ..common.paths import cache_dir
 from .cluster import BACKENDS, LBS, Cluster, ClusterParams, marked_pids, start
-from ..paths import cache_dir
 from .env import SandboxError, build_env, default_overlay, wheels_for
 from .model import ensure_model
 

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..paths import cache_dir
+from ..common.paths import cache_dir
+from ..operations.oracle import Reply, generate
 from .env import SandboxEnv, SandboxError
-from .oracle import Reply, generate
 
 MARKER = "SGLANG_HARDENED_SANDBOX"
 BIND_FAILED = "address already in use"

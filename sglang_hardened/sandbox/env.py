@@ -23,9 +23,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HardenedError
-from ..hashing import sha256_file
-from ..paths import cache_dir
+from ..common.errors import HardenedError
+from ..common.hashing import sha256_file
+from ..common.paths import cache_dir
 
 PINS = Path(__file__).with_name("pins")
 PYTHON_VERSION = "3.11"  # the upstream wheels are cp311
@@ -211,9 +211,9 @@ def _target(python: Path, name: str, key: str, args: list[str], overlay: Overlay
 
 def upstream_wheel(base: str) -> Path:
     """The pinned upstream wheel for ``base`` (downloaded once, sha256-checked)."""
-    from ..fetch import fetch_wheel
-    from ..lock import load_lock
-    from ..paths import patches_dir
+    from ..common.paths import patches_dir
+    from ..pipeline.fetch import fetch_wheel
+    from ..pipeline.lock import load_lock
 
     pins = load_lock(patches_dir())
     if base not in pins:
@@ -269,9 +269,9 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
     """
     if not hardened:
         return [upstream_wheel(base)]
-    from ..build import build
-    from ..paths import patches_dir
-    from ..series import copy_without
+    from ..common.paths import patches_dir
+    from ..pipeline.build import build
+    from ..pipeline.series import copy_without
 
     _check_base(base)
     root = cache_dir() / "hardened"

@@ -82,7 +82,7 @@ def build(out: Path, variant: str = "tiny") -> None:
 
 def ensure_model(env: SandboxEnv, variant: str = "tiny") -> Path:
     """The cached model dir of ``variant`` for ``env``, generated once per (this file, base pins)."""
-    from ..paths import cache_dir
+    from ..common.paths import cache_dir
     from .env import PINS, SandboxError
 
     key = hashlib.sha256(Path(__file__).read_bytes() + (PINS / f"{env.base}.txt").read_bytes()).hexdigest()[:16]

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.table import format_table
+from sglang_hardened.operations.oracle import Reply
 from sglang_hardened.sandbox import cluster as sbc
 from sglang_hardened.sandbox.env import SandboxEnv, build_env, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
-from sglang_hardened.sandbox.oracle import Reply
-from sglang_hardened.table import format_table
 from tests.conftest import CLUSTER_START, SERVER_RESTART, SESSION, phase
 
 OVERLAY = Path(__file__).parents[1] / "cpu_overlay"

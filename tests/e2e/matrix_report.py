@@ -9,7 +9,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from sglang_hardened.table import format_table
+from sglang_hardened.common.table import format_table
 
 _CASE = re.compile(r"^(test_\w+)\[(0\.5\.\d+)-(\w+)\]$")
 

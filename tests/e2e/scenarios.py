@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
+from sglang_hardened.operations.oracle import Reply, Verdict, differential_checks, generate
 from sglang_hardened.runtime.startup import OVERRIDE_ENV as H7_OVERRIDE
 from sglang_hardened.sandbox.cluster import BACKENDS, Cluster
 from sglang_hardened.sandbox.env import bases
-from sglang_hardened.sandbox.oracle import Reply, Verdict, differential_checks, generate
 
 # Token counts are those of the sandbox tokenizer.
 TENANT_A = {"A1": "alpha tenant secret " * 60, "A2": "bravo decode value " * 60}  # 180 tokens: fits

@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
-from sglang_hardened.paths import patches_dir
+from sglang_hardened.common.paths import patches_dir
+from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.runtime.startup import LIMITS_ROUTE, OVERRIDE_ENV, REGISTRATION_FIELD
-from sglang_hardened.series import load_series
 
 from .conftest import sandbox_env
 from .scenarios import LEAK_PARAMS

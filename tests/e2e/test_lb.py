@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from sglang_hardened.sandbox.oracle import generate
+from sglang_hardened.operations.oracle import generate
 
 from .conftest import sandbox_env
 from .scenarios import FITTING_C, OVERSIZED_B, TIMEOUT_PARAMS, before_decode_gives_up

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_hardened.canary import Plan, run_canary
-from sglang_hardened.preflight import preflight
+from sglang_hardened.operations.canary import Plan, run_canary
+from sglang_hardened.operations.preflight import preflight
 
 pytestmark = pytest.mark.e2e
 CLUSTER = ("0.5.23", True, dict(prefill_pool_tokens=2048, decode_pool_tokens=4096, context_length=1024, lb="hardened"))

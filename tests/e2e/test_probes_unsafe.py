@@ -13,9 +13,9 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from sglang_hardened.canary import Plan, run_canary
 from sglang_hardened.cli import main
-from sglang_hardened.preflight import preflight
+from sglang_hardened.operations.canary import Plan, run_canary
+from sglang_hardened.operations.preflight import preflight
 
 from .scenarios import LEAK_PARAMS
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_hardened.rebase import UPSTREAM, rebase, write_series
+from sglang_hardened.pipeline.rebase import UPSTREAM, rebase, write_series
 from tests.conftest import phase
 
 from .conftest import sandbox_env

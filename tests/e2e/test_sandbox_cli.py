@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
+from sglang_hardened.operations.oracle import generate
 from sglang_hardened.sandbox.cluster import marked_pids, port_in_use
-from sglang_hardened.sandbox.oracle import generate
 from tests.conftest import CLUSTER_START, REPO, phase
 
 pytestmark = pytest.mark.e2e

@@ -17,8 +17,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..common.errors import HardenedError
 from . import unidiff
-from .errors import HardenedError
 from .fetch import fetch_wheel, pin_release
 from .lock import UpstreamPin, add_pin, load_lock
 from .series import SERIES_NAME, Patch, Series, load_series

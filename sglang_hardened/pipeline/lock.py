@@ -9,7 +9,7 @@ from pathlib import Path
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
-from .errors import HardenedError
+from ..common.errors import HardenedError
 
 LOCK_NAME = "upstream.lock"
 

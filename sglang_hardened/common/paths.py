@@ -31,7 +31,7 @@ def patches_dir() -> Path:
     tool without one must be pointed at a tree with SGLANG_HARDENED_PATCHES.
     """
     override = os.environ.get(PATCHES_ENV)
-    path = Path(override) if override else Path(__file__).resolve().parent.parent / "patches"
+    path = Path(override) if override else Path(__file__).resolve().parents[2] / "patches"
     if not (path / "upstream.lock").is_file():
         raise HardenedError(
             f"no patch tree at {path} (expected {path / 'upstream.lock'}); "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import HardenedError
+from ..common.errors import HardenedError
 from .wheelfile import WheelTree
 
 TOOL_DIST = "sglang-hardened"

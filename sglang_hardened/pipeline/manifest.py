@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from . import __version__
+from .. import __version__
+from ..runtime.identity import MANIFEST_NAME
 from .lock import UpstreamPin
-from .runtime.identity import MANIFEST_NAME
 from .series import Series
 from .stamp import TOOL_DIST
 from .wheelfile import WheelTree

@@ -15,19 +15,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from . import __version__, unidiff
-from .errors import HardenedError
+from .. import __version__
+from ..common.errors import HardenedError
+from ..common.paths import patches_dir
+from . import unidiff
 from .fetch import fetch_wheel
 from .lock import UpstreamPin, get_pin
 from .manifest import build_manifest, write_manifest
-from .paths import patches_dir
 from .sbom import write_sbom
 from .series import Series, load_series
 from .stamp import hardened_version, stamp_metadata, stamp_version_module
 from .wheelfile import ZIP_EPOCH_MIN, WheelTree, unpacked
 
 Progress = Callable[[str], None]
-TOOL_ROOT = Path(__file__).resolve().parent.parent
+TOOL_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import yaml
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .errors import HardenedError
+from ..common.errors import HardenedError
 
 PD_MODES = ("prefill", "decode")
 

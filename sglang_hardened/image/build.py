@@ -18,16 +18,16 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from . import __version__
-from .build import TOOL_ROOT, Progress, build
-from .errors import HardenedError
-from .hashing import record_digest
-from .lock import get_pin
-from .manifest import build_manifest
-from .paths import patches_dir
-from .runtime.identity import MANIFEST_NAME
-from .series import load_series
-from .stamp import hardened_version
+from .. import __version__
+from ..common.errors import HardenedError
+from ..common.hashing import record_digest
+from ..common.paths import patches_dir
+from ..pipeline.build import TOOL_ROOT, Progress, build
+from ..pipeline.lock import get_pin
+from ..pipeline.manifest import build_manifest
+from ..pipeline.series import load_series
+from ..pipeline.stamp import hardened_version
+from ..runtime.identity import MANIFEST_NAME
 
 DOCKERFILE = TOOL_ROOT / "Dockerfile"
 

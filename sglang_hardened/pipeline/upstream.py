@@ -9,7 +9,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from .errors import HardenedError
+from ..common.errors import HardenedError
 from .lock import load_lock
 
 

@@ -15,8 +15,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from .errors import HardenedError
-from .sandbox.oracle import Reply, differential_check, generate
+from ..common.errors import HardenedError
+from .oracle import Reply, differential_check, generate
 
 UNIT = " the key of the page"  # a common-word unit: about one token per word in any tokenizer
 CALIBRATION_UNITS = 16

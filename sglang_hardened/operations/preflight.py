@@ -19,10 +19,10 @@ from urllib.parse import urlparse
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import HardenedError
-from .policy import knobs_for
-from .runtime.identity import INFO_ROUTES
-from .runtime.startup import DEFERRED_ENV, LIMITS_ROUTE
+from ..common.errors import HardenedError
+from ..runtime.identity import INFO_ROUTES
+from ..runtime.policy import knobs_for
+from ..runtime.startup import DEFERRED_ENV, LIMITS_ROUTE
 
 CHECKSUM_FIELD = "disaggregation_enable_kv_checksum"
 CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"

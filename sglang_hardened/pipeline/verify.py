@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..common.errors import HardenedError
 from . import seams, unidiff
-from .errors import HardenedError
 from .fetch import fetch_wheel
 from .lock import get_pin
 from .series import load_series

@@ -1,4 +1,4 @@
-"""`sglang-hardened image`: parsing and printing only; the work lives in image.py."""
+"""`sglang-hardened image`: parsing and printing only; the work lives in build.py."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .table import format_table
+from ..common.table import format_table
 
 
 @click.command()
@@ -24,7 +24,7 @@ def image(base: str, engine: str | None, out_dir: Path, base_image: str | None, 
     Example:
       sglang-hardened image --base 0.5.23
     """
-    from .image import build_image
+    from .build import build_image
 
     tag, engine, args = build_image(base, out_dir, engine=engine, base_image=base_image, tag=tag,
                                     progress=lambda msg: click.echo(f"  {msg}", err=True))

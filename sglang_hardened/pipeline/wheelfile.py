@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from .hashing import record_digest
+from ..common.hashing import record_digest
 
 SIGNATURES = ("RECORD.jws", "RECORD.p7s")
 ZIP_EPOCH_MIN = 315532800  # 1980-01-01: the earliest time a zip entry can hold

@@ -1,4 +1,4 @@
-"""``preflight`` and ``canary``: checks of a live deployment (parsing and printing only)."""
+"""Operating a deployment: launch, policy, info, preflight, canary (parsing and printing only)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from .table import format_table
+from ..common.errors import HardenedError
+from ..common.table import format_table
 
 
 @click.command("preflight")
@@ -80,3 +81,80 @@ def canary(url: str, pool_tokens: int, context_length: int, tenants: int, repeat
         json_path.write_text(json.dumps(report.to_json(), indent=1))
     if not report.ok:
         sys.exit(1)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
+def info(as_json: bool) -> None:
+    """Say what the installed sglang carries (its hardening manifest).
+
+    \b
+    Example:
+      sglang-hardened info --json
+    """
+    from ..runtime.identity import manifest
+
+    found = manifest()
+    if found is None:
+        raise HardenedError("the installed sglang is not a hardened build (no hardening manifest)")
+    if as_json:
+        click.echo(json.dumps(found, indent=2, sort_keys=True))
+        return
+    click.echo(f"sglang {found['version']} (upstream {found['upstream']['file']}, "
+               f"sha256 {found['upstream']['sha256']})")
+    click.echo(format_table(("patch", "id", "sha256", "summary"),
+                            [(p["name"], p["hardening_id"], p["sha256"][:16] + "…", p["summary"])
+                             for p in found["patches"]]))
+
+
+@click.group()
+def policy() -> None:
+    """The hardening policy: defaults applied by `launch` and the image.
+
+    \b
+    Example:
+      sglang-hardened policy show --base 0.5.19
+    """
+
+
+@policy.command("show")
+@click.option("--base", required=True, help="Upstream release, e.g. 0.5.19.")
+def policy_show(base: str) -> None:
+    """Print the knobs that apply to a base.
+
+    \b
+    Example:
+      sglang-hardened policy show --base 0.5.23
+    """
+    from ..runtime.policy import knobs_for
+
+    click.echo(format_table(("id", "knob", "value", "scope", "why"), [
+        (k.id, k.name, k.value or "on", "PD only" if k.pd_only else "all", k.why.split(";")[0])
+        for k in knobs_for(base)
+    ]))
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--base", help="Upstream release whose policy applies (default: the installed sglang's).")
+@click.option("--dry-run", is_flag=True, help="Print what would be set and the command; start nothing.")
+@click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
+def launch(base: str | None, dry_run: bool, sglang_args: tuple[str, ...]) -> None:
+    """Start SGLang's server with the hardening policy applied.
+
+    Each value the policy sets, and each one you overrode, is logged.
+
+    \b
+    Example:
+      sglang-hardened launch -- --model-path /models/llama --disaggregation-mode prefill
+    """
+    import os
+
+    from .launch import exec_sglang, installed_base, plan
+
+    result = plan(base or installed_base(), list(sglang_args), dict(os.environ))
+    click.echo(format_table(("id", "knob", "value", "outcome"),
+                            [(d.id, d.name, d.value, d.outcome) for d in result.decisions]), err=True)
+    if dry_run:
+        click.echo(" ".join(["python", "-m", "sglang.launch_server", *result.argv]))
+        return
+    exec_sglang(result)

@@ -9,8 +9,8 @@ from importlib import metadata
 
 from packaging.version import Version
 
-from .errors import HardenedError
-from .policy import PD_MODES, knobs_for
+from ..common.errors import HardenedError
+from ..runtime.policy import PD_MODES, knobs_for
 
 
 @dataclass(frozen=True)

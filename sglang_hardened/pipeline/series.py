@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from .errors import HardenedError
-from .hashing import sha256_file
+from ..common.errors import HardenedError
+from ..common.hashing import sha256_file
 from .lock import LOCK_NAME
 
 SERIES_NAME = "series"

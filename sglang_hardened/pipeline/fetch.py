@@ -8,10 +8,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import HardenedError
-from .hashing import sha256_file
+from ..common.errors import HardenedError
+from ..common.hashing import sha256_file
+from ..common.paths import cache_dir
 from .lock import UpstreamPin
-from .paths import cache_dir
 
 
 def cached_path(pin: UpstreamPin, cache: Path | None = None) -> Path:
