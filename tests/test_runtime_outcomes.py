@@ -237,8 +237,7 @@ def watchers(monkeypatch):
 
 
 def _watch(addr: str) -> None:
-    host, port = addr.rsplit(":", 1)
-    outcomes._ensure_watching(host, int(port), {addr})
+    outcomes._ensure_watching(addr, {addr})
 
 
 GOOD = (200, b'{"seq": 1, "outcomes": [[7, 400, "too long"]]}')
@@ -268,8 +267,7 @@ def test_a_404_is_asked_again_so_a_prefill_upgraded_in_place_is_followed(prefill
 
 def test_only_prefills_decode_bootstrapped_from_are_followed(prefill_stand_in, watchers):
     addr, asked = prefill_stand_in(GOOD)
-    host, port = addr.rsplit(":", 1)
-    outcomes._ensure_watching(host, int(port), set())  # named by a request, never bootstrapped from
+    outcomes._ensure_watching(addr, set())  # named by a request, never bootstrapped from
     time.sleep(0.2)
     assert not watchers and not asked
 

@@ -306,12 +306,10 @@ def _bad_reply(addr: str, watcher: _Watcher, reason: str) -> None:
     time.sleep(RETRY_S)
 
 
-def _ensure_watching(host: str | None, port: int | None, bootstrapped: Container[str]) -> None:
-    """Follow the prefill at host:port, if decode bootstrapped from it and may follow one more."""
+def _ensure_watching(addr: str, bootstrapped: Container[str]) -> None:
+    """Follow the prefill at ``addr`` (host:port, an IPv6 host in brackets), if decode
+    bootstrapped from it and may follow one more."""
     global _full_said
-    if not host or not port or host == FAKE_BOOTSTRAP_HOST:
-        return
-    addr = f"{host}:{port}"
     if addr not in bootstrapped:  # only prefills that answered upstream's own bootstrap
         return
     now = time.monotonic()
@@ -331,6 +329,13 @@ def _ensure_watching(host: str | None, port: int | None, bootstrapped: Container
     threading.Thread(target=_watch, args=(addr, watcher), name=f"hardened-h4-{addr}", daemon=True).start()
 
 
+def _bootstrap_addr(host: str, port: int) -> str:
+    """The prefill's address as decode's queue keys it (upstream's own form: IPv6 bracketed)."""
+    from sglang.srt.utils.network import NetworkAddress
+
+    return NetworkAddress(host, port).to_host_port_str()
+
+
 def fail_requests_prefill_ended(scheduler) -> None:
     """Seam in decode's queue processing: abort queued requests whose prefill already ended them."""
     queued = [d.req for d in scheduler.disagg_decode_prealloc_queue.queue]
@@ -338,7 +343,8 @@ def fail_requests_prefill_ended(scheduler) -> None:
     ended = []
     bootstrapped = scheduler.disagg_decode_prealloc_queue.kv_manager.prefill_info_table
     for req in queued:
-        _ensure_watching(req.bootstrap_host, req.bootstrap_port, bootstrapped)
+        if req.bootstrap_host and req.bootstrap_port and req.bootstrap_host != FAKE_BOOTSTRAP_HOST:
+            _ensure_watching(_bootstrap_addr(req.bootstrap_host, req.bootstrap_port), bootstrapped)
         outcome = VERDICTS.get(req.bootstrap_room)
         if outcome is not None and not req.finished() and req.rid not in _ended_rids:
             ended.append((req, outcome))
