@@ -370,7 +370,7 @@ def test_an_answer_over_the_limit_is_a_502_not_held_in_memory(rig):
     assert (status, json.loads(body)["error"]["message"]) == (502, "decode answered more than the lb takes")
 
 
-@roles(prefill=Role(drop=True))
+@roles(Role(drop=True), Role(delay_s=SLOW_S))  # decode answers late: prefill's failure is the first answer
 def test_a_worker_failure_reaches_the_client_without_its_address_or_the_cause(rig):
     stands, lb = rig
     status, body, _ = post(lb.url, b'{"text": "x"}')
