@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.budget import STARTED_ENV, Spent, load_budget, overruns
+from tests.budget import STARTED_ENV, load_budget, overruns
 from tests.conftest import REPO
 
 

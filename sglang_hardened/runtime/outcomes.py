@@ -32,8 +32,6 @@ import asyncio
 import collections
 import contextlib
 import hmac
-import http.client
-import json
 import logging
 import os
 import re
@@ -44,6 +42,7 @@ import urllib.request
 from collections.abc import Container
 from dataclasses import dataclass
 
+from .peer_json import READ_ERRORS, get_json, is_int
 from .warmup import FAKE_BOOTSTRAP_HOST
 
 OUTCOMES_ROUTE = "/hardened/outcomes"
@@ -220,7 +219,6 @@ WATCH_IDLE_S = 300.0  # a watcher no queued request has needed for this long sto
 RECHECK_S = 60.0  # a prefill that answered 404 (not hardened) is asked again after this
 REPLY_MAX = 16 << 20  # bytes of one long-poll reply decode reads (RETAIN_MAX outcomes and more)
 MESSAGE_MAX = 1024  # characters of a prefill's message decode keeps
-_READ_ERRORS = (OSError, ValueError, RecursionError, http.client.HTTPException)
 
 
 @dataclass
@@ -234,25 +232,20 @@ _not_hardened: collections.OrderedDict[str, float] = collections.OrderedDict()  
 _full_said = False
 
 
-def parse_reply(body: bytes) -> tuple[int, list[tuple[int, int, str]]]:
+def parse_reply(data: object) -> tuple[int, list[tuple[int, int, str]]]:
     """A long-poll reply as (seq, [(room, status, message)]); ValueError names what is wrong."""
-    data = json.loads(body)
-    if not isinstance(data, dict) or not _is_int(seq := data.get("seq")) or seq < 0:
+    if not isinstance(data, dict) or not is_int(seq := data.get("seq")) or seq < 0:
         raise ValueError("reply has no non-negative integer seq")
     items = data.get("outcomes")
     if not isinstance(items, list):
         raise ValueError("reply has no outcomes list")
     parsed = []
     for item in items:
-        if not (isinstance(item, list) and len(item) == 3 and _is_int(item[0]) and _is_int(item[1])
+        if not (isinstance(item, list) and len(item) == 3 and is_int(item[0]) and is_int(item[1])
                 and 400 <= item[1] <= 599 and isinstance(item[2], str)):
             raise ValueError("an outcome is not [room, 4xx/5xx status, message]")
         parsed.append((item[0], item[1], item[2][:MESSAGE_MAX]))
     return seq, parsed
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _watch(addr: str, watcher: _Watcher) -> None:
@@ -262,11 +255,7 @@ def _watch(addr: str, watcher: _Watcher) -> None:
         while time.monotonic() - watcher.wanted_at < WATCH_IDLE_S:
             poll = urllib.request.Request(f"http://{addr}{OUTCOMES_ROUTE}?after={seq}", headers=_token_header())
             try:
-                with urllib.request.urlopen(poll, timeout=LONG_POLL_S + 10) as resp:
-                    body = resp.read(REPLY_MAX + 1)
-                if len(body) > REPLY_MAX:
-                    raise ValueError(f"reply over {REPLY_MAX} bytes")
-                new_seq, items = parse_reply(body)
+                new_seq, items = parse_reply(get_json(poll, LONG_POLL_S + 10, REPLY_MAX))
             except urllib.error.HTTPError as exc:
                 if exc.code == 404:
                     log.warning("sglang-hardened H4: prefill %s is not hardened; its rejections reach this decode "
@@ -278,7 +267,7 @@ def _watch(addr: str, watcher: _Watcher) -> None:
                     return
                 _bad_reply(addr, watcher, f"HTTP {exc.code}" + (f": set {TOKEN_ENV} alike on both roles" if exc.code == 403 else ""))
                 continue
-            except _READ_ERRORS as exc:
+            except READ_ERRORS as exc:
                 _bad_reply(addr, watcher, f"{type(exc).__name__}: {exc}"[:200])
                 continue
             if new_seq < seq:  # the prefill restarted: its numbering did too

@@ -22,14 +22,13 @@ PD server refuses to start with it off unless RELEASE_OVERRIDE_ENV says so.
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import os
 import urllib.error
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Mapping
+
+from .peer_json import READ_ERRORS, get_json, is_int
 
 # One override for both H7 checks: a pool below the context is what makes the
 # roles' input limits differ, and tests of the deeper layers need both off.
@@ -55,7 +54,6 @@ _said: OrderedDict[tuple, None] = OrderedDict()
 SAID_MAX = 1024
 LIMITS_READ_MAX = 4096  # bytes of a /hardened/limits reply a decode reads
 LIMITS_TIMEOUT_S = 5  # as upstream's own GET of /route
-_READ_ERRORS = (OSError, ValueError, RecursionError, http.client.HTTPException)
 
 log = logging.getLogger("sglang_hardened")
 
@@ -119,7 +117,7 @@ def _overridden(message: str, going_on: str, override_env: str = OVERRIDE_ENV) -
 
 def _valid_limit(value: object) -> int | None:
     """``value`` as an input limit, or None when it is not a positive token count."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 < value < INPUT_LIMIT_MAX:
+    if is_int(value) and 0 < value < INPUT_LIMIT_MAX:
         return value
     return None
 
@@ -181,7 +179,7 @@ def check_prefill_limits(bootstrap_addr: str) -> bool:
                       f"cannot be compared with this decode's ({_own_input_limit} tokens)")
             return True
         reason = f"HTTP {exc.code}"
-    except _READ_ERRORS as exc:
+    except READ_ERRORS as exc:
         reason = f"{type(exc).__name__}: {exc}"[:200]
     else:
         if prefill_limit is None or _own_input_limit <= prefill_limit:
@@ -206,12 +204,7 @@ def check_prefill_limits(bootstrap_addr: str) -> bool:
 
 def _read_limit(bootstrap_addr: str) -> int | None:
     """The prefill's served limit (None: its ranks registered none); raises on a bad reply."""
-    url = f"http://{bootstrap_addr}{LIMITS_ROUTE}"
-    with urllib.request.urlopen(url, timeout=LIMITS_TIMEOUT_S) as reply:
-        body = reply.read(LIMITS_READ_MAX + 1)
-    if len(body) > LIMITS_READ_MAX:
-        raise ValueError(f"reply over {LIMITS_READ_MAX} bytes")
-    data = json.loads(body)
+    data = get_json(f"http://{bootstrap_addr}{LIMITS_ROUTE}", LIMITS_TIMEOUT_S, LIMITS_READ_MAX)
     if not isinstance(data, dict):
         raise ValueError("reply is not a JSON object")
     value = data.get("max_req_input_len")
