@@ -21,18 +21,18 @@ def _prefill(value: str) -> PrefillAddr:
 @click.option("--prefill", "prefill", multiple=True, required=True, metavar="URL[,BOOTSTRAP_PORT]",
               help="A prefill worker and its KV bootstrap port (repeatable).")
 @click.option("--decode", multiple=True, required=True, metavar="URL", help="A decode worker (repeatable).")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--policy", default="random", show_default=True,
+@click.option("--host", default=LbConfig.host, show_default=True)
+@click.option("--port", type=int, default=LbConfig.port, show_default=True)
+@click.option("--policy", default=LbConfig.policy, show_default=True,
               help="random, round-robin, or a name registered under the entry-point group "
                    "sglang_hardened.lb.routing.")
-@click.option("--request-timeout", type=float, default=600.0, show_default=True,
+@click.option("--request-timeout", type=float, default=LbConfig.request_timeout_s, show_default=True,
               help="Seconds until the answer (streaming: its first output); then 504.")
-@click.option("--transfer-grace", type=float, default=60.0, show_default=True,
+@click.option("--transfer-grace", type=float, default=LbConfig.transfer_grace_s, show_default=True,
               help="After a disconnect or timeout, seconds a KV transfer may still run before decode is cancelled.")
-@click.option("--max-body-bytes", type=int, default=32 * 1024 * 1024, show_default=True)
-@click.option("--health-interval", type=float, default=5.0, show_default=True, help="Seconds between health checks.")
-@click.option("--drain-timeout", type=float, default=60.0, show_default=True,
+@click.option("--max-body-bytes", type=int, default=LbConfig.max_body_bytes, show_default=True)
+@click.option("--health-interval", type=float, default=LbConfig.health_interval_s, show_default=True, help="Seconds between health checks.")
+@click.option("--drain-timeout", type=float, default=LbConfig.drain_timeout_s, show_default=True,
               help="On SIGTERM, seconds open requests get to finish.")
 @click.option("--body-timeout", type=float, default=LbConfig.body_timeout_s, show_default=True,
               help="Seconds a client has to send its request body; then 408.")
