@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import subprocess
 import zipfile
@@ -16,6 +15,7 @@ from sglang_hardened.common.hashing import sha256_file
 from sglang_hardened.pipeline import unidiff
 from sglang_hardened.pipeline.build import build
 from sglang_hardened.pipeline.lock import load_lock
+from sglang_hardened.pipeline.seams import added_runs
 from sglang_hardened.pipeline.series import load_series
 
 # Read inside the venv without importing sglang's package __init__ (it needs
@@ -40,12 +40,6 @@ print(json.dumps({
 """
 
 
-def added_blocks(hunk: unidiff.Hunk) -> list[str]:
-    """Each run of lines a hunk adds, as text."""
-    ops = difflib.SequenceMatcher(a=hunk.old, b=hunk.new, autojunk=False).get_opcodes()
-    return ["".join(hunk.new[j1:j2]) for tag, _, _, j1, j2 in ops if tag in ("insert", "replace")]
-
-
 @pytest.mark.parametrize("base", list(load_lock(Path(__file__).parent.parent / "patches")))
 def test_hardened_wheel_installs_and_says_what_it_carries(base, built, patches, tmp_path, make_venv):
     results, tool = built
@@ -63,7 +57,7 @@ def test_hardened_wheel_installs_and_says_what_it_carries(base, built, patches, 
     for patch in series.patches:  # every seam each patch adds is in the installed file (a later
         for fp in unidiff.parse(patch.diff):  # patch may add lines beside it: its context may change)
             for hunk in fp.hunks:
-                for block in added_blocks(hunk):
+                for block in map("".join, added_runs(hunk)):
                     assert block in probe["patched"][fp.target], (patch.name, hunk.header, block)
     assert probe["server_info"]["hardening_ids"] == series.hardening_ids
     assert probe["server_info"]["deferred_decode_kv_release"] is True  # on by default on every base

@@ -19,9 +19,10 @@ GLUE_LINES_MAX = 3  # per vendor patch and upstream file
 RUNTIME_MARK = "hardened"  # every seam imports the runtime as ``hardened_<module>`` (or names sglang_hardened)
 
 
-def _added_lines(hunk: unidiff.Hunk) -> list[str]:
+def added_runs(hunk: unidiff.Hunk) -> list[list[str]]:
+    """Each run of lines a hunk adds (its new side against its old, as difflib matches them)."""
     ops = difflib.SequenceMatcher(a=hunk.old, b=hunk.new, autojunk=False).get_opcodes()
-    return [line for tag, _, _, j1, j2 in ops if tag in ("insert", "replace") for line in hunk.new[j1:j2]]
+    return [hunk.new[j1:j2] for tag, _, _, j1, j2 in ops if tag in ("insert", "replace")]
 
 
 def _depth(line: str) -> int:
@@ -34,7 +35,7 @@ def glue_lines(diff: str) -> dict[str, list[str]]:
     for fp in unidiff.parse(diff):
         for hunk in fp.hunks:
             open_call = 0  # brackets still open in a runtime call
-            for raw in _added_lines(hunk):
+            for raw in (line for run in added_runs(hunk) for line in run):
                 line = raw.strip()
                 if not line or line.startswith("#"):
                     continue
