@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import types
 from collections import OrderedDict
 
 import pytest
@@ -151,3 +152,17 @@ def test_deferred_release_override_starts_and_says_so(monkeypatch, caplog):
         startup.check_release_setting("prefill")
     assert f"{startup.RELEASE_OVERRIDE_ENV}=1 overrides this check" in caplog.text
     assert startup.deferred_release_on({}) and startup.deferred_release_on({startup.DEFERRED_ENV: "1"})
+
+
+def test_a_prefill_with_tokenizer_workers_is_refused_unless_overridden(monkeypatch, caplog):
+    """Review finding: H4's notes of the requests a tokenizer worker ends were never served."""
+    monkeypatch.delenv(startup.WORKERS_OVERRIDE_ENV, raising=False)
+    args = types.SimpleNamespace(disaggregation_mode="prefill", tokenizer_worker_num=2)
+    with pytest.raises(UnsafeConfiguration, match="H4: this prefill server has --tokenizer-worker-num 2"):
+        startup.check_launch(args)
+    for fine in ({"tokenizer_worker_num": 1}, {"disaggregation_mode": "decode"}, {"disaggregation_mode": "null"}):
+        startup.check_launch(types.SimpleNamespace(**{**vars(args), **fine}))
+    monkeypatch.setenv(startup.WORKERS_OVERRIDE_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
+        startup.check_launch(args)
+    assert f"{startup.WORKERS_OVERRIDE_ENV}=1 overrides this check" in caplog.text

@@ -18,6 +18,13 @@ H5 holds a failed request's decode pages until prefill's writes drained, on
 top of upstream's deferred decode KV release; turning that off
 (DEFERRED_ENV=0) would turn H5 off with nothing but a log line, so a hardened
 PD server refuses to start with it off unless RELEASE_OVERRIDE_ENV says so.
+
+H4's notes of the requests prefill ends live in the process that ends them,
+and the bootstrap server that serves them to decode runs in the HTTP server's
+main process. With ``--tokenizer-worker-num`` above 1 requests end in worker
+processes, so decode would never hear of them and would hold each one until
+its waiting timeout: such a prefill refuses to start unless
+WORKERS_OVERRIDE_ENV says to go on without H4 (logged).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ OVERRIDE_ENV = "SGLANG_HARDENED_ALLOW_UNSAFE_KV_LIMITS"
 PD_MODES = ("prefill", "decode")
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 RELEASE_OVERRIDE_ENV = "SGLANG_HARDENED_ALLOW_EARLY_RELEASE"
+WORKERS_OVERRIDE_ENV = "SGLANG_HARDENED_ALLOW_TOKENIZER_WORKERS"
 FALSE_VALUES = ("false", "0", "no", "n")  # what upstream's EnvBool reads as off
 LIMITS_ROUTE = "/hardened/limits"
 REGISTRATION_FIELD = "hardened_max_req_input_len"
@@ -87,6 +95,24 @@ def check_release_setting(mode: str) -> None:
         f"Remedy: unset it. To start anyway, set {RELEASE_OVERRIDE_ENV}=1 (logged)."
     )
     if not _overridden(message, "Starting anyway", RELEASE_OVERRIDE_ENV):
+        log.error(message)
+        raise UnsafeConfiguration(message)
+
+
+def check_launch(server_args) -> None:
+    """Seam, the HTTP server's launch before it starts any process: raise for a prefill with more
+    than one tokenizer worker (H4 cannot serve their notes), unless its override is set (logged)."""
+    workers = getattr(server_args, "tokenizer_worker_num", 1)
+    if getattr(server_args, "disaggregation_mode", None) != "prefill" or workers <= 1:
+        return
+    message = (
+        f"sglang-hardened H4: this prefill server has --tokenizer-worker-num {workers}; the requests it "
+        f"ends (an oversized prompt, an abort) would end in worker processes, whose notes its bootstrap "
+        f"server cannot serve, so decode would hold each one until its waiting timeout. Remedy: "
+        f"--tokenizer-worker-num 1 on prefill. To start without H4's notice, set {WORKERS_OVERRIDE_ENV}=1 "
+        f"(logged)."
+    )
+    if not _overridden(message, "Starting without H4's notice", WORKERS_OVERRIDE_ENV):
         log.error(message)
         raise UnsafeConfiguration(message)
 

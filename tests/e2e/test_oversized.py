@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_hardened.sandbox.env import SandboxError
 from tests.conftest import phase
 
 from .conftest import record_timing, sandbox_env
@@ -138,3 +139,14 @@ def test_hardened_oversized_prompt_error_reaches_client_at_once(start_cluster, b
     assert obs.via_lb.status == 400 and PREFILL_LIMIT_MESSAGE in obs.via_lb.body, obs.via_lb
     assert before_decode_gives_up(cluster, obs.via_lb), obs.via_lb
     assert wait_pages_idle(cluster, idle) == idle
+
+
+def test_hardened_prefill_with_tokenizer_workers_is_refused_at_startup(start_cluster):
+    """Review finding: with ``--tokenizer-worker-num 2`` prefill's tokenizer workers end the
+    requests, and H4's notes of them never reach the bootstrap server that serves decode (main
+    started such a prefill, and decode waited its timeout as upstream does). Cost: a start that
+    fails within seconds."""
+    with pytest.raises(SandboxError, match="exited during start-up(?s:.*)sglang-hardened H4: this prefill server "
+                                           "has --tokenizer-worker-num 2"):
+        start_cluster(sandbox_env("0.5.23", hardened=True), **TIMEOUT_PARAMS,
+                      extra_flags=("--tokenizer-worker-num", "2"))
