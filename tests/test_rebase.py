@@ -48,7 +48,8 @@ H5R = "0024-h5-backport-nixl-rejected-post.patch"
 # neighbour in 0.5.22 (routed experts): a human made that base's variant.
 # H3's and H4's seams sit beside lines upstream keeps changing (3-way merges).
 # H6's backport is upstream's own split (0.5.20 on); the engine wrapper H6
-# seams gained an import line. H5's backport is 0.5.21's own code (0.5.20 changed a
+# seams gained an import line; the chunk-stop seams' import sits below the runtime_context
+# import, which 0.5.23 grew (a 3-way merge there). H5's backport is 0.5.21's own code (0.5.20 changed a
 # line beside its failure-path hunk: a 3-way merge); 0.5.22 reworked the drain ack
 # (generation numbers), so a human confirms it is upstream there. H5's guard seam sits in
 # the deadline check, beside lines the backport and each release touch (3-way merges);
@@ -69,7 +70,8 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, tar
     result = rebase(tree_copy, "0.5.19", target)
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
-        H5G: h5g, H5S: CONFLICT, H6B: UPSTREAM, H6: OFFSET, H6P: UPSTREAM if target == "0.5.23" else OFFSET,
+        H5G: h5g, H5S: CONFLICT, H6B: UPSTREAM, H6: MERGED if target == "0.5.23" else OFFSET,
+        H6P: UPSTREAM if target == "0.5.23" else OFFSET,
         H5D: CONFLICT}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
@@ -95,7 +97,7 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
-        H5G: MERGED, H5S: MERGED, H6: APPLIES, H6P: OFFSET}
+        H5G: MERGED, H5S: MERGED, H6: OFFSET, H6P: OFFSET}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text

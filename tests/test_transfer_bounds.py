@@ -146,3 +146,63 @@ def test_concurrent_calls_to_one_peer_share_the_entry_bound(monkeypatch):
     together, while calls to another peer still overlap them."""
     peaks = _layers_at_once(monkeypatch, Bounds(4, 1 << 20), ["peer0", "peer1"] * 4, [1] * 12)
     assert peaks["entries"] == 4 and peaks["peers"] == 2, peaks
+
+
+class KVPoll:
+    """Upstream's KVPoll (sglang/srt/disaggregation/base/conn.py, the same on every base): a
+    stand-in, since the test environment has no SGLang."""
+
+    Failed, Bootstrapping, WaitingForInput, Transferring, Success = range(5)
+
+
+def _chunk_calls(monkeypatch, fail_after: int | None, timeout_s: float = 30.0) -> tuple[int, int]:
+    """Send one chunk as 10 bounded calls on this thread, the way the transfer worker's seams
+    do; the room fails after ``fail_after`` calls. Returns (what the send returned, calls made)."""
+    import sys
+    import types
+
+    upstream = types.ModuleType("sglang.srt.disaggregation.base.conn")
+    upstream.KVPoll = KVPoll
+    monkeypatch.setitem(sys.modules, upstream.__name__, upstream)
+    monkeypatch.setattr(transfer_bounds, "process_release_timeout_s", lambda: timeout_s)
+    statuses, failures, calls = {7: KVPoll.Transferring}, {}, []
+    manager = types.SimpleNamespace(request_status=statuses, record_failure=failures.__setitem__,
+                                    update_status=statuses.__setitem__)  # upstream's, as the seam uses them
+
+    def write(_peer, *_batch) -> int:
+        calls.append(1)
+        if fail_after is not None and len(calls) == fail_after:
+            statuses[7] = KVPoll.Failed  # decode's abort, seen by prefill's ZMQ thread
+        return 0
+
+    transfer_bounds.begin_send(manager, 7)
+    try:
+        ret = batch_transfer_sync(write, "peer", list(range(10)), list(range(10)), [1] * 10,
+                                  bounds=Bounds(max_entries=1, max_bytes=1))
+    finally:
+        stopped = transfer_bounds.send_stopped(ret)
+    assert stopped == (ret == transfer_bounds.STOPPED)
+    if fail_after is None and stopped:
+        assert statuses[7] == KVPoll.Failed and "release timeouts" in failures[7]
+    return ret, len(calls)
+
+
+def test_a_chunks_calls_stop_once_its_room_failed(monkeypatch):
+    """Review finding (high): the calls of one chunk went on after its room failed, past the
+    point where decode's release guard gives the pages back."""
+    assert _chunk_calls(monkeypatch, fail_after=None) == (0, 10)
+    assert _chunk_calls(monkeypatch, fail_after=3) == (transfer_bounds.STOPPED, 3)
+
+
+def test_a_send_past_its_deadline_fails_its_room_and_stops(monkeypatch):
+    """Not as a transport failure (upstream would blame the session and withhold the drain ack,
+    though no call is left in flight): the room fails, as on an abort."""
+    assert _chunk_calls(monkeypatch, fail_after=None, timeout_s=-1.0) == (transfer_bounds.STOPPED, 0)
+
+
+def test_calls_after_a_send_ended_are_bounded_one_by_one_only(monkeypatch):
+    """The aux write after a chunk's send (and any call on a thread with no send) is not stopped."""
+    _chunk_calls(monkeypatch, fail_after=3)
+    calls = []
+    assert batch_transfer_sync(lambda *_a: calls.append(1) or 0, "peer", [0, 1], [0, 1], [1, 1],
+                               bounds=Bounds(max_entries=1, max_bytes=1)) == 0 and len(calls) == 2

@@ -16,6 +16,20 @@ them jointly: a call starts only once the bytes of every call in flight in
 the process, and the entries of every call in flight to its peer, leave room
 for it (``InFlight``).
 
+A chunk split this way is many calls in a row, and each is bounded, not their
+sum. So one send of a chunk to one decode rank (``begin_send``, a seam before
+it) stops between calls as soon as the chunk's room has failed (an abort from
+decode, a client or another rank): the send returns ``STOPPED`` and the seam
+after it (``send_stopped``) drops the chunk the way upstream drops one dequeued
+after its room failed (no transport failure: the session is not blamed, and the
+drain ack, which waits for the chunk to be done, is kept). After a room fails,
+at most the one call in flight still writes, within its bound. A send that has
+run ``source_hold.HOLD_TIMEOUTS`` release timeouts (as long as prefill holds a
+failed request's source pages) fails its room and stops the same way; prefill
+then ends the request, which H4 carries to decode. Calls on other threads (the
+per-layer path of custom memory pools) carry no send and are bounded one by
+one only.
+
 Defaults live in the policy file's ``limits: H6``; the env vars below override
 them (``sglang-hardened launch`` sets them from the same numbers).
 """
@@ -25,12 +39,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .release_timeout import release_timeout_s
+from .release_timeout import process_release_timeout_s, release_timeout_s
+from .source_hold import HOLD_TIMEOUTS
 
 MAX_ENTRIES_ENV = "SGLANG_HARDENED_TRANSFER_MAX_ENTRIES"
 LINK_RATE_ENV = "SGLANG_HARDENED_TRANSFER_LINK_RATE"
@@ -129,6 +145,54 @@ class InFlight:
 
 
 _in_flight = InFlight()
+STOPPED = -2  # what a send returns when its room failed between calls (``send_stopped``)
+
+
+@dataclass
+class _Send:
+    """The send this transfer worker thread makes now."""
+
+    manager: object  # the Mooncake KV manager that owns the room's status
+    room: int
+    deadline: float
+    said: bool = False
+
+
+_current = threading.local()
+
+
+def begin_send(manager, room: int) -> None:
+    """Seam, prefill's Mooncake transfer worker before it sends a chunk to one decode rank: the
+    engine calls this thread makes next belong to ``room``'s send, and stop once the room fails
+    or the send's deadline passes."""
+    _current.send = _Send(manager, room, time.monotonic() + HOLD_TIMEOUTS * process_release_timeout_s())
+
+
+def send_stopped(ret: int) -> bool:
+    """Seam, right after that send returned ``ret``, before upstream's failure handling: ends the
+    send (the aux and state writes after it are single calls, bounded only), and says whether its
+    calls stopped because the room failed; the worker then drops the chunk (``break``)."""
+    _current.send = None
+    return ret == STOPPED
+
+
+def _stop(send: _Send) -> int | None:
+    """STOPPED once the send must make no more calls, its room failed (None: it may call on)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    manager, room = send.manager, send.room
+    if manager.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
+        reason = "its room failed"
+    elif time.monotonic() > send.deadline:
+        reason = f"it ran for {HOLD_TIMEOUTS} release timeouts; the room fails"
+        manager.record_failure(room, f"sglang-hardened H6: the transfer ran for {HOLD_TIMEOUTS} release timeouts")
+        manager.update_status(room, KVPoll.Failed)
+    else:
+        return None
+    if not send.said:
+        send.said = True
+        log.warning("sglang-hardened H6: room %s: no more transfer calls for this send: %s", room, reason)
+    return STOPPED
 
 
 def batch_transfer_sync(write: Write, session_id: str, srcs: list[int], dsts: list[int],
@@ -139,7 +203,10 @@ def batch_transfer_sync(write: Write, session_id: str, srcs: list[int], dsts: li
     more is sent. ``bounds`` and ``in_flight`` default to the process's own (a test or a
     benchmark drives an engine pair with its own)."""
     bounds = bounds or process_bounds()
+    send: _Send | None = getattr(_current, "send", None)
     for batch in split(srcs, dsts, lengths, bounds):
+        if send is not None and (stop := _stop(send)) is not None:
+            return stop
         ret = in_flight.call(write, session_id, batch, bounds)
         if ret != 0:
             return ret

@@ -4,8 +4,10 @@ once prefill's slowed write call into decode has begun (tests/e2e/ledger.py)."""
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,3 +65,10 @@ def send_mid_transfer(cluster, folder: Path, rid: str, slow_switch: Path | None 
         if slow_switch:
             slow_switch.unlink()
     return InFlight(room, rid, sent_at, conns)
+
+
+def abort_request(cluster, role: str, rid: str) -> None:
+    """``POST /abort_request`` for ``rid`` to one role."""
+    abort = urllib.request.Request(f"{cluster.procs[role].url}/abort_request", data=json.dumps({"rid": rid}).encode(),
+                                   headers={"content-type": "application/json"})
+    urllib.request.urlopen(abort, timeout=30).close()

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from sglang_hardened.sandbox.env import SandboxEnv
 from tests.conftest import overlay_module
 
 from .conftest import TIMINGS, launch, restart, sandbox_env
-from .inflight import Answer, InFlight, send_mid_transfer
+from .inflight import Answer, InFlight, abort_request, send_mid_transfer
 from .ledger import Ledger, wait_for, writer
 from .scenarios import (FITTING_C, FULL_MATRIX, SAFE_PARAMS, SLOW_PROMPT, core, hang_up, observe_probes,
                         wait_pages_idle)
@@ -125,11 +124,7 @@ class FaultCluster:
         return [u for u in Ledger(self.ledger_dir).unsafe_frees(killed_at) if u.room == room]
 
     def abort(self, role: str, rid: str) -> None:
-        """``POST /abort_request`` for ``rid`` to one role."""
-        abort = urllib.request.Request(f"{self.cluster.procs[role].url}/abort_request",
-                                       data=json.dumps({"rid": rid}).encode(),
-                                       headers={"content-type": "application/json"})
-        urllib.request.urlopen(abort, timeout=30).close()
+        abort_request(self.cluster, role, rid)
 
     def catch_mid_transfer(self) -> InFlight:
         return send_mid_transfer(self.cluster, self.ledger_dir, uuid.uuid4().hex, self.slow_switch)
