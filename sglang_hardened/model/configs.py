@@ -15,7 +15,7 @@ from .state import Kind, RequestSpec, Scenario
 
 
 class Switch(StrEnum):
-    """A hardening item of the catalogue (README) that the model mirrors."""
+    """A hardening item of the catalogue (docs/hardening.md) that the model mirrors."""
 
     H1 = "H1"  # admission-time rejection of a request whose intake failed
     H2 = "H2"  # prefill never reports success over a pending abort
