@@ -134,7 +134,7 @@ class Drain:
         # later ones are skipped once it failed (a skip may already have popped the count).
         self.manager._staging_outstanding.pop(room, None)
         log.warning("sglang-hardened H5: room %s: the NIXL writes given up on settled %.1f s later; its drain ack "
-                    "goes out", room, time.monotonic() - held.since, extra={"settled_room": room})
+                    "goes out", room, time.monotonic() - held.since)
         self.manager._maybe_ack_drained_abort(room)
 
 

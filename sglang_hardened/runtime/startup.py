@@ -94,9 +94,7 @@ def check_release_setting(mode: str) -> None:
         f"drained: decode would give pages to other requests while a write can still land in them. "
         f"Remedy: unset it. To start anyway, set {RELEASE_OVERRIDE_ENV}=1 (logged)."
     )
-    if not _overridden(message, "Starting anyway", RELEASE_OVERRIDE_ENV):
-        log.error(message)
-        raise UnsafeConfiguration(message)
+    _refuse_unless_overridden(message, "Starting anyway", RELEASE_OVERRIDE_ENV)
 
 
 def check_launch(server_args) -> None:
@@ -112,9 +110,7 @@ def check_launch(server_args) -> None:
         f"--tokenizer-worker-num 1 on prefill. To start without H4's notice, set {WORKERS_OVERRIDE_ENV}=1 "
         f"(logged)."
     )
-    if not _overridden(message, "Starting without H4's notice", WORKERS_OVERRIDE_ENV):
-        log.error(message)
-        raise UnsafeConfiguration(message)
+    _refuse_unless_overridden(message, "Starting without H4's notice", WORKERS_OVERRIDE_ENV)
 
 
 def check_kv_pool(mode: str, pool_tokens: int, context_len: int) -> None:
@@ -128,7 +124,12 @@ def check_kv_pool(mode: str, pool_tokens: int, context_len: int) -> None:
         f"(--mem-fraction-static, --max-total-tokens) or lower --context-length to at most "
         f"{pool_tokens}. To start anyway, set {OVERRIDE_ENV}=1 (logged)."
     )
-    if not _overridden(message, "Starting anyway"):
+    _refuse_unless_overridden(message, "Starting anyway")
+
+
+def _refuse_unless_overridden(message: str, going_on: str, override_env: str = OVERRIDE_ENV) -> None:
+    """Raise ``UnsafeConfiguration`` with ``message`` (logged) unless the operator's override is set."""
+    if not _overridden(message, going_on, override_env):
         log.error(message)
         raise UnsafeConfiguration(message)
 

@@ -67,16 +67,18 @@ class Ledger:
         return [e for e in self.events if e["ev"] == ev]
 
     def writes(self, killed_at: float = math.inf) -> list[Write]:
-        """Each begin paired with the next end of its room in its process; one that never
-        returned ends at ``killed_at``, when its writer was killed (if it was)."""
+        """Each begin paired with the end of the same write in its process (its ``w``; an end with
+        none, a fault stand-in's, ends the room's oldest open write); one that never ended ends at
+        ``killed_at``, when its writer was killed (if it was)."""
         open_: dict[tuple[str, int], list[dict]] = defaultdict(list)
         done: list[Write] = []
         for e in self.events:
             key = (e["pid"], e.get("room"))
             if e["ev"] == "begin":
                 open_[key].append(e)
-            elif e["ev"] == "end" and open_[key]:
-                done.append(self._write(open_[key].pop(0), e["t"]))
+            elif e["ev"] == "end" and (same := [b for b in open_[key] if e.get("w") in (None, b["w"])]):
+                open_[key].remove(same[0])
+                done.append(self._write(same[0], e["t"]))
         return done + [self._write(b, killed_at) for begins in open_.values() for b in begins]
 
     @staticmethod

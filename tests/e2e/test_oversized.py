@@ -7,12 +7,15 @@ must hold exactly the KV tokens they held before it (no page leaked).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sglang_hardened.sandbox.env import SandboxError
 from tests.conftest import phase
 
 from .conftest import record_timing, sandbox_env
+from .ledger import Ledger, writer
 from .scenarios import (
     AT_LIMIT,
     before_decode_gives_up,
@@ -105,6 +108,26 @@ def test_hardened_0519_without_h1_decode_still_never_reads_unwritten_pages(start
     assert all(r.status in (400, 500) for r in replies(v["oversized"])), v["oversized"].replies
     assert shows_nothing_decoded(v["oversized"]), v["oversized"].replies
     assert wait_pages_idle(cluster, idle) == idle
+
+
+@pytest.mark.parametrize("build", ["upstream", "hardened-h1-without-h2-h4"])
+def test_0519_h1_keeps_a_failed_intake_from_bootstrap_allocation_and_transfer(start_cluster, tmp_path, build):
+    """H1 isolated from H2 and H4, judged by the page ledger, not by the answers' status:
+    upstream 0.5.19 bootstraps its one-token placeholder, gives it decode pages and writes
+    them; H1 retires the request at the door of both queues, so none of that happens.
+    Cost: two cluster starts (about 50 s)."""
+    env = sandbox_env("0.5.19", hardened=True, without=("H2", "H4")) if build.startswith("hardened") \
+        else sandbox_env("0.5.19")
+    cluster = start_cluster(env, **TIMEOUT_PARAMS, extra_env=(f"{writer.DIR_ENV}={tmp_path}",))
+    since = time.monotonic()  # the ledger's clock
+    at_prefill, at_decode = observe_pair(cluster, OVERSIZED_B)
+    moved = [(e["ev"], e["room"]) for e in Ledger(tmp_path).events if e["t"] > since and e["ev"] in ("expose", "begin")]
+    if build == "upstream":
+        assert at_prefill.status == 200 and {"expose", "begin"} <= {ev for ev, _ in moved}, (at_prefill, moved)
+    else:
+        assert not moved, moved
+        assert at_prefill.status == 400 and PREFILL_LIMIT_MESSAGE in at_prefill.body, at_prefill
+        assert at_decode.status >= 400, at_decode  # without H4, after decode's waiting timeout
 
 
 def test_hardened_0519_h2_alone_reports_the_pending_400(start_cluster):

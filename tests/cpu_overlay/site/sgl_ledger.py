@@ -9,11 +9,16 @@ CLOCK_MONOTONIC (one clock for every process on the host):
 - decode ``expose`` {room, pages}: decode sent prefill these page indices for
   the room; from now on prefill may write into them.
 - decode ``free`` {pages}: these pages went back to the free list.
-- prefill ``begin`` {room, pages, src} / ``end`` {room, rc}: one synchronous
-  Mooncake call from prefill pages ``src`` into decode ``pages`` started /
-  returned; a NIXL write posted / every handle of its chunk settled DONE, or,
-  for handles the worker gave up on, the hardened runtime's watcher logged
-  that they settled (``rc`` null).
+- prefill ``begin`` {room, w, pages, src} / ``end`` {room, w, rc}: write ``w``
+  (a number per process) from prefill pages ``src`` into decode ``pages``
+  started / ended. A synchronous Mooncake call ends when it returns; a NIXL
+  write when the transport itself first reports its handle DONE
+  (``nixl_agent.check_xfer_state``, whoever asks: upstream's worker or the
+  hardened runtime's watcher), never on the word of the code being judged.
+  ERR ends nothing (a rejected post may have put writes on the wire); the
+  fault stand-ins (``sgl_faults``), which make such writes, say when theirs
+  settled (``landed``: an ``end`` with no ``w``, for the room's oldest open
+  write).
 - prefill ``srcfree`` {pages}: prefill pages went back to its free list.
 
 ``tests/e2e/ledger.py`` reads the files and reports every decode page freed
@@ -31,9 +36,10 @@ traffic around it).
 
 from __future__ import annotations
 
+import itertools
 import json
-import logging
 import os
+import sys
 import threading
 import time
 
@@ -43,6 +49,9 @@ SLOW_SWITCH_ENV = "SANDBOX_SLOW_SWITCH"
 SLOW_MIN_PAGES = 16
 
 _lock = threading.Lock()
+_writes = itertools.count(1)
+_posted: dict[object, tuple[int, int]] = {}  # a NIXL handle not yet settled: (room, w)
+_posted_lock = threading.Lock()
 _exposed_here = False  # a process that exposes pages (decode) records its frees as ``free``
 _sending_here = False  # one that writes into them (prefill) records its own as ``srcfree``
 
@@ -54,18 +63,6 @@ def _record(ev: str, **fields) -> None:
     line = json.dumps({"t": time.monotonic(), "ev": ev, **fields}) + "\n"
     with _lock, open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as out:
         out.write(line)
-
-
-class _Settled(logging.Handler):
-    """The hardened runtime logs (with ``settled_room``) when NIXL writes it gave up on settled."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        room = getattr(record, "settled_room", None)
-        if room is not None:
-            _record("end", room=int(room), rc=None)
-
-
-logging.getLogger("sglang_hardened").addHandler(_Settled())
 
 
 def _ints(indices) -> list[int]:
@@ -96,17 +93,17 @@ def freed_pages(*page_ids) -> None:
     _freed({p for ids in page_ids for p in _ints(ids)})
 
 
-def _begin(req, dst_pages, src_pages) -> tuple[int, list[int]]:
+def _begin(req, dst_pages, src_pages) -> tuple[int, int]:
     """Record a write from prefill pages into decode pages beginning; slow it if asked (see
-    the module doc)."""
+    the module doc). Returns (room, w)."""
     global _sending_here
     _sending_here = True
-    room, pages = int(req.room), _ints(dst_pages)
-    _record("begin", room=room, pages=pages, src=_ints(src_pages))
+    room, pages, w = int(req.room), _ints(dst_pages), next(_writes)
+    _record("begin", room=room, w=w, pages=pages, src=_ints(src_pages))
     switch = os.environ.get(SLOW_SWITCH_ENV)
     if len(pages) >= SLOW_MIN_PAGES and os.environ.get(SLOW_ENV) and (not switch or os.path.exists(switch)):
         time.sleep(float(os.environ[SLOW_ENV]))
-    return room, pages
+    return room, w
 
 
 # Every base calls send_kvcache(session or agent, prefill page indices, decode pointers,
@@ -117,25 +114,53 @@ SRC_ARG = 1
 def writing(req, dst_pages, send):
     """Prefill's Mooncake transfer worker: ``send`` wrapped so the call is recorded (and slowed)."""
     def call(*args, **kwargs):
-        room, _ = _begin(req, dst_pages, args[SRC_ARG])
+        room, w = _begin(req, dst_pages, args[SRC_ARG])
         rc = None
         try:
             rc = send(*args, **kwargs)
             return rc
         finally:
-            _record("end", room=room, rc=rc if isinstance(rc, int) else None)
+            _record("end", room=room, w=w, rc=rc if isinstance(rc, int) else None)
     return call
 
 
 def posting(req, dst_pages, post):
-    """Prefill's NIXL transfer worker: ``post`` wrapped so the write's start is recorded
-    (and slowed); ``landed`` records its end."""
+    """Prefill's NIXL transfer worker: ``post`` wrapped so the write's start is recorded (and
+    slowed); its end is the transport's own report (``_watch_settling``)."""
     def call(*args, **kwargs):
-        _begin(req, dst_pages, args[SRC_ARG])
-        return post(*args, **kwargs)
+        room, w = _begin(req, dst_pages, args[SRC_ARG])
+        handle = post(*args, **kwargs)
+        if handle is None:  # nothing was posted
+            _record("end", room=room, w=w, rc=None)
+            return handle
+        _watch_settling(sys.modules["nixl._api"].nixl_agent)  # the class every agent here is
+        with _posted_lock:
+            _posted[handle] = (room, w)
+        return handle
     return call
 
 
+def _watch_settling(agent_class) -> None:
+    """Wrap the NIXL agent's ``check_xfer_state`` once, so a posted handle's first DONE,
+    reported by the transport to whoever asks, ends its write."""
+    check = agent_class.check_xfer_state
+    if getattr(check, "_ledger", False):
+        return
+
+    def check_xfer_state(agent, handle):
+        state = check(agent, handle)
+        if state != "PROC":
+            with _posted_lock:
+                write = _posted.pop(handle, None)
+            if write is not None and state == "DONE":
+                _record("end", room=write[0], w=write[1], rc=state)
+        return state
+
+    check_xfer_state._ledger = True
+    agent_class.check_xfer_state = check_xfer_state
+
+
 def landed(room) -> None:
-    """Prefill's NIXL transfer worker, once every handle of the room's chunk is DONE."""
+    """A fault stand-in, once the writes it made for the room outside the worker's post settled
+    (it polled the transport itself)."""
     _record("end", room=int(room), rc=None)

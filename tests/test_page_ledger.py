@@ -1,0 +1,93 @@
+"""The page ledger takes a NIXL write's end from the transport, never from the code it judges.
+
+Review finding (#22.1): for a write hardened prefill gave up on, the ledger's "write ended"
+event was the hardened runtime's own "settled" log line, so a runtime that said so too early
+would have passed. Here the ledger runs in one process against a stand-in NIXL agent (the test
+environment has no NIXL): the runtime's notice, made early on purpose, ends nothing, and a
+page decode frees before the transport reports the write DONE is judged unsafe.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+
+from tests.conftest import overlay_module
+from tests.e2e.ledger import Ledger
+
+ROOM, PAGES = 7, list(range(16))
+
+
+class Agent:
+    """A stand-in ``nixl._api.nixl_agent``: reports each handle PROC until the test settles it."""
+
+    settled: dict[object, str] = {}
+
+    def check_xfer_state(self, handle) -> str:
+        return self.settled.get(handle, "PROC")
+
+
+class Manager:
+    agent = Agent()
+
+    def send_kvcache(self, *_args) -> object:
+        return object()  # a posted transfer's handle
+
+
+@pytest.fixture
+def ledger(tmp_path, monkeypatch):
+    """A fresh ledger writer recording into ``tmp_path``, with NIXL stood in."""
+    nixl_api = types.ModuleType("nixl._api")
+    nixl_api.nixl_agent = Agent
+    monkeypatch.setitem(sys.modules, "nixl._api", nixl_api)
+    monkeypatch.setattr(Agent, "settled", {})
+    monkeypatch.setattr(Agent, "check_xfer_state", Agent.__dict__["check_xfer_state"])
+    writer = overlay_module("sgl_ledger")
+    monkeypatch.setenv(writer.DIR_ENV, str(tmp_path))
+    writer.exposed(ROOM, PAGES)  # decode's side: from here on these pages may be written
+    return writer
+
+
+def _post(writer) -> object:
+    manager = Manager()
+    return writer.posting(types.SimpleNamespace(room=ROOM), PAGES, manager.send_kvcache)(
+        "peer", list(range(16)), [0], PAGES)
+
+
+def test_the_runtimes_early_settled_notice_does_not_end_the_write(ledger, tmp_path):
+    handle = _post(ledger)
+    logging.getLogger("sglang_hardened").warning(
+        "sglang-hardened H5: room %s: the NIXL writes given up on settled 0.0 s later; its drain ack goes out",
+        ROOM, extra={"settled_room": ROOM})  # the notice the ledger used to take as the end
+    Manager.agent.check_xfer_state(handle)  # the transport still reports PROC
+    ledger.freed_pages(PAGES)
+    unsafe = Ledger(tmp_path).unsafe_frees()
+    assert {u.page for u in unsafe} == set(PAGES), unsafe
+    Agent.settled[handle] = "DONE"
+    assert Manager.agent.check_xfer_state(handle) == "DONE"
+    assert all(u.write_end > u.freed_at for u in Ledger(tmp_path).unsafe_frees())  # the free came first
+
+
+def test_a_free_after_the_transport_reports_done_is_safe(ledger, tmp_path):
+    handle = _post(ledger)
+    Agent.settled[handle] = "DONE"
+    assert Manager.agent.check_xfer_state(handle) == "DONE"
+    ledger.freed_pages(PAGES)
+    assert not Ledger(tmp_path).unsafe_frees()
+    [end] = Ledger(tmp_path).of("end")
+    assert end["rc"] == "DONE" and end["room"] == ROOM
+
+
+def test_a_rejected_post_ends_nothing_until_its_writes_on_the_wire_land(ledger, tmp_path):
+    """ERR may leave writes on the wire (0.5.23's rejected-post rule); a fault stand-in that made
+    such writes says when they landed."""
+    handle = _post(ledger)
+    Agent.settled[handle] = "ERR"
+    assert Manager.agent.check_xfer_state(handle) == "ERR"
+    assert not Ledger(tmp_path).of("end")
+    ledger.landed(ROOM)
+    ledger.freed_pages(PAGES)
+    assert not Ledger(tmp_path).unsafe_frees()
