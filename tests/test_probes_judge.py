@@ -1,12 +1,22 @@
 """The judging halves of preflight and canary, on cases the e2e clusters cannot produce.
 
 preflight: mismatched nodes (the reports are /server_info fields as real 0.5.23 nodes return
-them). canary: an answer holding another tenant's canary (the tiny sandbox model never echoes one).
+them). canary: deployments whose model repeats its prompt (a real LLM: the tiny sandbox model's
+random weights never echo a canary, so the e2e clusters cannot show that check failing).
 """
 
 from __future__ import annotations
 
-from sglang_hardened.operations.canary import _cross_tenant
+import hashlib
+import json
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from sglang_hardened.operations.canary import Plan, _cross_tenant, run_canary
 from sglang_hardened.operations.oracle import Reply
 from sglang_hardened.operations.preflight import Node, judge
 
@@ -61,3 +71,82 @@ def test_canary_flags_an_answer_with_another_tenants_canary_probes_included():
     check = _cross_tenant(leaked, canaries)
     assert not check.ok
     assert check.detail == "tenant-1's answer holds tenant-0's canary; a probe's answer holds tenant-1's canary"
+
+
+POOL, CONTEXT = 256, 512
+
+
+def _standin(leaks: bool, copies: bool = True):
+    """Stand-in for a deployment whose model copies its prompt (a real LLM needs a GPU): it
+    answers "Repeat X's secret:" with the canary in the KV it attends, and any other prompt with
+    ids hashed from that KV. A leaking one attends the pages the last tenant's prompt left and
+    answers a prompt over the pool with 200 (the incident); a safe one attends its own prompt
+    and refuses that prompt with a 400. ``copies=False`` answers never repeat a canary."""
+    last_tenant = [""]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            prompt = json.loads(self.rfile.read(int(self.headers["content-length"])))["text"]
+            tokens = len(prompt.split())
+            if tokens > POOL and not leaks:
+                return self._send(400, {"error": {"message": "input is longer than the KV pool"}})
+            kv = last_tenant[0] if leaks and last_tenant[0] else prompt
+            if "secret" in prompt:
+                last_tenant[0] = prompt
+            canary = re.search(r"CANARY-\w+", kv)
+            text = canary.group(0) if copies and "Repeat" in prompt and canary else "the"
+            ids = list(hashlib.sha256(kv.encode()).digest()[:4])
+            self._send(200, {"text": text, "output_ids": ids, "meta_info": {"prompt_tokens": tokens}})
+
+        def _send(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    return Handler
+
+
+@pytest.fixture
+def deployment() -> Iterator:
+    servers = []
+
+    def start(**kind) -> str:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _standin(**kind))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _results(url: str) -> dict[str, str]:
+    report = run_canary(url, Plan(POOL, CONTEXT, repeats=2, rounds=1))
+    return {c.name.split(" (")[0]: c.result for c in report.checks} | {"report": "ok" if report.ok else "FAIL"}
+
+
+def test_every_canary_check_fails_on_a_deployment_that_leaks(deployment):
+    """Review finding 21.8: an 8-token greedy answer could never hold another tenant's
+    12-hex-digit canary, so that check could not fail; now each check fails here."""
+    assert _results(deployment(leaks=True)) == {
+        "no tenant sees another's canary": "FAIL", "over-pool prompt": "FAIL",
+        "over-pool probe independent of the previous tenant": "FAIL",
+        "fitting probe independent of the previous tenant": "FAIL", "report": "FAIL"}
+
+
+def test_a_safe_deployment_passes_every_check_it_can_judge(deployment):
+    assert _results(deployment(leaks=False)) == {
+        "no tenant sees another's canary": "ok", "over-pool prompt": "ok",
+        "over-pool probe independent of the previous tenant": "n/a",
+        "fitting probe independent of the previous tenant": "ok", "report": "ok"}
+    quiet = _results(deployment(leaks=False, copies=False))
+    assert quiet["no tenant sees another's canary"] == "n/a", "a model that never repeats a canary proves nothing"
+    assert quiet["report"] == "ok"

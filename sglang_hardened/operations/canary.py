@@ -1,11 +1,19 @@
 """Canary probe of a live deployment through its load balancer: outputs, not status codes.
 
-Tenants send prompts carrying unique canary strings; no answer may contain
-another tenant's canary. A prompt over the prefill KV pool must be refused
-(4xx): the incident's trigger was such a prompt answered 200 over pages its
-transfer never wrote. And, as in the sandbox's differential oracle, a greedy
-probe sent after each tenant's traffic must give the same output whatever
-that tenant sent. Request count and time are bounded; the report is JSON.
+Tenants send prompts that end by asking the model to repeat a unique canary
+string; no answer may contain another tenant's canary. A prompt over the
+prefill KV pool must be refused (4xx): the incident's trigger was such a
+prompt answered 200 over pages its transfer never wrote. And, as in the
+sandbox's differential oracle, a greedy probe sent after each tenant's
+traffic must give the same output whatever that tenant sent. Request count
+and time are bounded; the report is JSON.
+
+A check that could not have failed on this deployment says so instead of
+passing (``judged=False``): the canary check where no tenant's answer repeats
+its own canary (a model that does not copy its prompt, such as the tests'
+random-weight one, would not repeat another's either), and a probe's
+independence where no probe got a 200 (nothing to compare). The report is
+ok only if some check was judged and every judged check passed.
 """
 
 from __future__ import annotations
@@ -16,10 +24,11 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 from ..common.errors import HardenedError
-from .oracle import Reply, differential_check, generate
+from .oracle import Reply, Verdict, differential_check, generate
 
 UNIT = " the key of the page"  # a common-word unit: about one token per word in any tokenizer
 CALIBRATION_UNITS = 16
+CANARY_HEX = 8  # hex digits of a canary: unique per run, and short enough for an answer to repeat
 
 
 @dataclass(frozen=True)
@@ -31,7 +40,7 @@ class Plan:
     tenants: int = 2
     repeats: int = 4  # requests per tenant before each probe: enough to cycle decode's free pages
     rounds: int = 2
-    max_new_tokens: int = 8
+    max_new_tokens: int = 24  # room for an answer to repeat a canary (about a dozen tokens)
     max_requests: int = 80
     time_budget_s: float = 600.0
     request_timeout_s: float = 120.0
@@ -53,6 +62,11 @@ class Check:
     name: str
     ok: bool
     detail: str
+    judged: bool = True  # False: this deployment's answers could not have failed it (``detail`` says why)
+
+    @property
+    def result(self) -> str:
+        return "n/a" if not self.judged else "ok" if self.ok else "FAIL"
 
 
 @dataclass
@@ -64,11 +78,12 @@ class CanaryReport:
 
     @property
     def ok(self) -> bool:
-        return bool(self.checks) and all(c.ok for c in self.checks)
+        judged = [c for c in self.checks if c.judged]
+        return bool(judged) and all(c.ok for c in judged)
 
     def to_json(self) -> dict:
         return {"url": self.url, "ok": self.ok, "requests": self.requests, "seconds": round(self.seconds, 1),
-                "checks": [asdict(c) for c in self.checks]}
+                "checks": [{**asdict(c), "result": c.result} for c in self.checks]}
 
 
 class _Sender:
@@ -88,8 +103,13 @@ class _Sender:
         return reply
 
 
-def _prompt(tokens_per_unit: float, tokens: int, prefix: str = "") -> str:
-    return prefix + UNIT * max(1, round(tokens / tokens_per_unit))
+def _prompt(tokens_per_unit: float, tokens: int, suffix: str = "") -> str:
+    return UNIT * max(1, round(tokens / tokens_per_unit)) + suffix
+
+
+def _tenant_prompt(tokens_per_unit: float, tokens: int, tenant: str, canary: str) -> str:
+    """Filler, then the canary and a request to repeat it: a model that copies its prompt answers with it."""
+    return _prompt(tokens_per_unit, tokens, f". {tenant}'s secret is {canary}. Repeat {tenant}'s secret: ")
 
 
 def _prompt_tokens(reply: Reply) -> int:
@@ -106,10 +126,9 @@ def run_canary(url: str, plan: Plan) -> CanaryReport:
     send = _Sender(url.rstrip("/"), plan)
     report = CanaryReport(url)
     per_unit = _prompt_tokens(send(UNIT * CALIBRATION_UNITS)) / CALIBRATION_UNITS
-    canaries = {f"tenant-{i}": f"CANARY-{uuid.uuid4().hex[:12]}" for i in range(plan.tenants)}
+    canaries = {f"tenant-{i}": f"CANARY-{uuid.uuid4().hex[:CANARY_HEX]}" for i in range(plan.tenants)}
     tenant_tokens = max(8, min(plan.pool_tokens, plan.context_length) * 7 // 10)
-    histories = {t: [_prompt(per_unit, tenant_tokens, f"{c} is {t}'s secret.")] * plan.repeats
-                 for t, c in canaries.items()}
+    histories = {t: [_tenant_prompt(per_unit, tenant_tokens, t, c)] * plan.repeats for t, c in canaries.items()}
     # over the pool, and inside the context where the pool is the smaller (the incident's case)
     over_pool = plan.pool_tokens + max(16, (plan.context_length - plan.pool_tokens) // 2)
     probes = {"over-pool": _prompt(per_unit, over_pool), "fitting": _prompt(per_unit, min(64, tenant_tokens))}
@@ -124,18 +143,31 @@ def run_canary(url: str, plan: Plan) -> CanaryReport:
         statuses = sorted({r.status for r in over})
         report.checks.append(Check(f"over-pool prompt (~{over_pool} tokens) refused", all(400 <= s < 500 for s in statuses),
                                    f"HTTP {', '.join(map(str, statuses))} (must be 4xx)"))
-        for name, verdict in verdicts.items():
-            outputs = {label: [o and list(o) for o in verdict.outputs(label)] for label in verdict.replies}
-            report.checks.append(Check(f"{name} probe independent of the previous tenant", not verdict.leaked,
-                                       json.dumps(outputs)[:300]))
+        report.checks += [_independent(name, verdict) for name, verdict in verdicts.items()]
     report.requests, report.seconds = len(send.sent), time.monotonic() - start
     return report
 
 
+def _independent(name: str, verdict: Verdict) -> Check:
+    """A probe's outputs must not differ with the tenant before it; judged only if one got a 200."""
+    outputs = {label: [o and list(o) for o in verdict.outputs(label)] for label in verdict.replies}
+    answered = any(o is not None for label in verdict.replies for o in verdict.outputs(label))
+    return Check(f"{name} probe independent of the previous tenant", not verdict.leaked,
+                 json.dumps(outputs)[:300] if answered else "every probe was refused: no output to compare",
+                 judged=answered)
+
+
 def _cross_tenant(sent: list[tuple[str, Reply]], canaries: dict[str, str]) -> Check:
-    """An answer may hold only the canary of the prompt it answers (probes carry none)."""
-    leaks = []
+    """An answer may hold only the canary of the prompt it answers (probes carry none). Judged
+    only where some tenant's answer repeats its own canary: a model that does not copy from its
+    prompt could not repeat another's either, so silence would prove nothing."""
+    leaks, echoed = [], 0
     for prompt, reply in sent:
         asker = next((t for t, c in canaries.items() if c in prompt), "a probe")
+        echoed += asker != "a probe" and canaries[asker] in reply.body
         leaks += [f"{asker}'s answer holds {t}'s canary" for t, c in canaries.items() if t != asker and c in reply.body]
-    return Check("no tenant sees another's canary", not leaks, "; ".join(leaks[:5]) or f"{len(sent)} answers read")
+    name = "no tenant sees another's canary"
+    if not leaks and not echoed:
+        return Check(name, True, f"no answer of {len(sent)} repeats its own tenant's canary: "
+                                 "this model does not copy its prompt, so this check cannot fail here", judged=False)
+    return Check(name, not leaks, "; ".join(leaks[:5]) or f"{len(sent)} answers read, {echoed} repeat their own canary")
