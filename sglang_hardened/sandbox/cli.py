@@ -45,11 +45,14 @@ def sandbox() -> None:
 @click.option("--waiting-timeout", type=int, default=300, show_default=True, help="Decode's PD waiting timeout, s.")
 @click.option("--extra-flag", "extra_flags", multiple=True, help="Passed to both servers (repeatable).")
 @click.option("--env", "extra_env", multiple=True, help="NAME=VALUE set for both servers (repeatable).")
+@click.option("--via-launch", is_flag=True,
+              help="Start the servers through `sglang-hardened launch` (the policy applied; --hardened only).")
 @click.option("--overlay", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="CPU stand-ins dir (default: the checkout's tests/cpu_overlay).")
 def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, lb: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
-       waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], overlay: Path | None) -> None:
+       waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
+       overlay: Path | None) -> None:
     """Build the environment if needed and start a cluster."""
     try:
         old = _load(name)
@@ -60,8 +63,10 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
                                decode_context_length=decode_context_length,
                                page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                                waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env,
-                               lb=lb)
+                               lb=lb, via_launch=via_launch)
         params.validate()
+        if via_launch and (upstream or wheel):
+            raise SandboxError("--via-launch needs --hardened: `launch` comes with the hardened build's tool wheel")
         wheels = [wheel] if wheel else wheels_for(base, hardened=not upstream)
         env = build_env(base, wheels, overlay or default_overlay())
         cluster = start(env, params, ensure_model(env))

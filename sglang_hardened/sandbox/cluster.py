@@ -60,6 +60,7 @@ class ClusterParams:
     decode_port: int = 0
     lb_port: int = 0
     lb: str = "mini-lb"  # or "hardened": `sglang-hardened lb` from the tool's own environment
+    via_launch: bool = False  # servers start through `sglang-hardened launch` (H10's policy), as operators do
 
     def validate(self) -> None:
         if self.base not in CUDA_GRAPHS_OFF:
@@ -265,7 +266,9 @@ def _context_length(p: ClusterParams, role: str) -> int:
 
 
 def _server_cmd(env: SandboxEnv, p: ClusterParams, model: Path, role: str, port: int) -> list[str]:
-    cmd = [str(env.python), "-m", "sglang.launch_server", "--model-path", str(model),
+    # `launch` is the hardened build's tool wheel, installed beside it; it execs SGLang's own launcher
+    launcher = ["sglang_hardened", "launch", "--"] if p.via_launch else ["sglang.launch_server"]
+    cmd = [str(env.python), "-m", *launcher, "--model-path", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
            "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "float32",
            *CUDA_GRAPHS_OFF[p.base], "--context-length", str(_context_length(p, role)), "--page-size", str(p.page_size),
