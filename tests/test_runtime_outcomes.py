@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_hardened.runtime import coverage, outcomes
+from sglang_hardened.runtime.coverage import SHORTFALL
 from sglang_hardened.runtime.warmup import FAKE_BOOTSTRAP_HOST
 from sglang_hardened.runtime.outcomes import OutcomeLog, Verdicts
 from tests.conftest import eventually
@@ -40,6 +41,10 @@ def test_outcome_log_long_poll_wakes_on_a_new_outcome():
     (500, "Request lb-1234 exceeds the maximum number of tokens: 601 > 250", (500, "sglang-hardened H4: prefill ended "
                                                                                   "this request with status 500")),
     (200, "", (500, "sglang-hardened H4: prefill ended this request with status 500")),  # an abort is an error
+    # finding 21.11: H3's sender refusal inside prefill's line, which quotes the rid: only the refusal
+    (500, "Prefill transfer failed for request rank=0 req.rid='tenant-secret' req.bootstrap_room=7 with exception "
+          "KVTransferError(bootstrap_room=7): " + SHORTFALL.format(room=7, expects=38, sends=32),
+     (500, SHORTFALL.format(room=7, expects=38, sends=32))),
 ])
 def test_notes_carry_no_request_content(status, message, noted):
     """Finding (review): every aborted request's message was served to anyone on the bootstrap
@@ -202,6 +207,19 @@ def test_sender_shortfall_only_on_a_short_last_chunk(last, stop, dst, short):
     assert (reason is not None) == short
     if short:
         assert f"decode expects {dst} pages but prefill sends {stop}" in reason
+
+
+def test_the_senders_refusal_tells_decode_why():
+    """Finding 21.11: the refusal went out through upstream's status message with Mooncake's
+    switch for a reason off, and decode's client read that prefill "might be dead". The manager
+    stands in for MooncakeKVManager (0.5.20 on), whose conclude_failure sends what the switch says."""
+    sent = []
+    manager = SimpleNamespace(kv_status_msg_carries_reason=False)
+    manager.conclude_failure = lambda bootstrap_room, failure_reason: sent.append(
+        (bootstrap_room, failure_reason if manager.kv_status_msg_carries_reason else None))
+    chunk = SimpleNamespace(is_last_chunk=True, index_slice=slice(0, 32), room=3)
+    assert coverage.fail_short_transfer(manager, chunk, SimpleNamespace(dst_kv_indices=range(38)))
+    assert sent == [(3, SHORTFALL.format(room=3, expects=38, sends=32))]
 
 
 # --- decode's watchers (review findings: one thread per address for ever, started from any

@@ -27,6 +27,10 @@ from .warmup import FAKE_BOOTSTRAP_HOST
 STAMP_MAGIC = 0x4833_434F_5645_5231  # "H3COVER1": tells a stamp from a zeroed or stale slot
 MAGIC_SLOT, TOKENS_SLOT = 1, 2
 
+# The sender's refusal: numbers only besides fixed text, so H4 may pass it on to decode as is.
+SHORTFALL = ("sglang-hardened H3: room {room}: decode expects {expects} pages but prefill sends {sends}; "
+             "the transfer is failed rather than leave decode pages unwritten")
+
 log = logging.getLogger("sglang_hardened")
 refused_total = 0  # requests decode refused for uncovered pages, in this process
 
@@ -75,8 +79,7 @@ def sender_shortfall(kv_chunk, dst_pages: int) -> str | None:
     sent = kv_chunk.index_slice.stop
     if not kv_chunk.is_last_chunk or sent is None or sent >= dst_pages:
         return None
-    return (f"sglang-hardened H3: room {kv_chunk.room}: decode expects {dst_pages} pages but prefill "
-            f"sends {sent}; the transfer is failed rather than leave decode pages unwritten")
+    return SHORTFALL.format(room=kv_chunk.room, expects=dst_pages, sends=sent)
 
 
 def fail_short_transfer(manager, kv_chunk, dst) -> bool:
@@ -87,6 +90,10 @@ def fail_short_transfer(manager, kv_chunk, dst) -> bool:
         return False
     log.error(reason)
     if hasattr(manager, "conclude_failure"):  # 0.5.20 on: records, marks Failed, tells decode
+        # with the reason: upstream's switch for it (NIXL's is on) is off for Mooncake, and decode
+        # would tell its client that prefill "might be dead"; from here on, this manager's
+        # failures all carry theirs
+        manager.kv_status_msg_carries_reason = True
         manager.conclude_failure(bootstrap_room=kv_chunk.room, failure_reason=reason)
         return True
     # 0.5.19: prefill fails the request (its client gets the reason); decode hears of it

@@ -35,6 +35,7 @@ import hmac
 import logging
 import os
 import re
+import string
 import threading
 import time
 import urllib.error
@@ -42,6 +43,7 @@ import urllib.request
 from collections.abc import Container
 from dataclasses import dataclass
 
+from .coverage import SHORTFALL
 from .peer_json import READ_ERRORS, get_json, is_int
 from .warmup import FAKE_BOOTSTRAP_HOST
 
@@ -57,11 +59,14 @@ POLLS_MAX = 256  # long polls a bootstrap server holds at once; more get 503
 # prefill has one, only a decode that sends the same may read its outcomes.
 TOKEN_ENV = "SGLANG_HARDENED_BOOTSTRAP_TOKEN"
 TOKEN_HEADER = "X-SGLang-Hardened-Token"
-# Prefill's messages that carry only numbers besides their fixed text (numbers as N).
-SAFE_MESSAGES = frozenset({
-    "Input length (N tokens) exceeds the maximum allowed length (N tokens). "
+# Reasons that carry only numbers besides their fixed text ({name}: a number), passed on as they
+# are wherever prefill's message holds one: upstream's input limit, H3's sender refusal (inside
+# prefill's "Prefill transfer failed for request ... rid=..." line, which quotes the rid).
+SAFE_TEMPLATES = (
+    "Input length ({n} tokens) exceeds the maximum allowed length ({n} tokens). "
     "Use a shorter input or enable --allow-auto-truncate.",
-})
+    SHORTFALL,
+)
 
 log = logging.getLogger("sglang_hardened")
 
@@ -130,13 +135,23 @@ class OutcomeLog:
                 self._waiters.discard(key)
 
 
+def _numbers_only(template: str) -> re.Pattern[str]:
+    """A template's fixed text, each field a run of digits."""
+    return re.compile("".join(re.escape(text) + (r"\d+" if field is not None else "")
+                              for text, field, _, _ in string.Formatter().parse(template)))
+
+
+_SAFE_REASONS = tuple(map(_numbers_only, SAFE_TEMPLATES))
+
+
 def note(status: int, message: str) -> str:
-    """What decode may tell the client for prefill: prefill's own message where it is one of
-    SAFE_MESSAGES (its numbers aside), else a fixed reason. Any decode that reaches the
-    bootstrap port reads the notes, so none may carry request content (a grammar error
-    quotes its schema; some messages quote the rid)."""
-    if re.sub(r"\d+", "N", message) in SAFE_MESSAGES:
-        return message
+    """What decode may tell the client for prefill: the first of SAFE_TEMPLATES prefill's message
+    holds, else a fixed reason. Any decode that reaches the bootstrap port reads the notes, so
+    none may carry request content (a grammar error quotes its schema; some messages quote the
+    rid)."""
+    for reason in _SAFE_REASONS:
+        if found := reason.search(message):
+            return found.group(0)
     return f"sglang-hardened H4: prefill ended this request with status {status}"
 
 

@@ -90,11 +90,16 @@ def test_hardened_truncation_with_unequal_limits_is_refused(start_cluster, base,
     # Pages apart, decode learns of the failed transfer from prefill (by status, or H4's
     # note of prefill's error, whichever comes first); in one page, from its own check.
     assert all(r.status == 500 for r in replies(v["pages_apart"])), v["pages_apart"].replies
+    if backend == "mooncake":  # the sender's own check (Mooncake's transfer worker) fired, and its reason
+        # reaches the client and decode's log (finding 21.11: they read "prefill might be dead")
+        assert "sends 32" in cluster.log_tail("prefill", 2000)
+        assert all("sglang-hardened H3" in r.body and "but prefill sends 32" in r.body
+                   for r in replies(v["pages_apart"])), v["pages_apart"].replies
+        decode_log = cluster.log_tail("decode", 2000)
+        assert "but prefill sends 32" in decode_log and "might be dead" not in decode_log
     assert all(r.status == 500 and "sglang-hardened H3" in r.body for r in replies(v["same_page"])), v["same_page"].replies
     assert all(r.status == 200 for r in replies(v["control"])) and not v["control"].leaked
     assert wait_pages_idle(cluster, idle) == idle
-    if backend == "mooncake":  # the sender's own check (Mooncake's transfer worker) fired
-        assert "sends 32" in cluster.log_tail("prefill", 2000)
     assert "holds the prompt as 509 tokens" in cluster.log_tail("decode", 2000)
 
 
