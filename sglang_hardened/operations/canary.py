@@ -103,13 +103,14 @@ class _Sender:
         return reply
 
 
-def _prompt(tokens_per_unit: float, tokens: int, suffix: str = "") -> str:
-    return UNIT * max(1, round(tokens / tokens_per_unit)) + suffix
+def _prompt(tokens_per_unit: float, tokens: int, prefix: str = "", suffix: str = "") -> str:
+    return prefix + UNIT * max(1, round(tokens / tokens_per_unit)) + suffix
 
 
 def _tenant_prompt(tokens_per_unit: float, tokens: int, tenant: str, canary: str) -> str:
-    """Filler, then the canary and a request to repeat it: a model that copies its prompt answers with it."""
-    return _prompt(tokens_per_unit, tokens, f". {tenant}'s secret is {canary}. Repeat {tenant}'s secret: ")
+    """The canary first (the pages a leak exposes first differ between tenants), then filler and a
+    request to repeat it: a model that copies its prompt answers with the canary."""
+    return _prompt(tokens_per_unit, tokens, f"{tenant}'s secret is {canary}.", f". Repeat {tenant}'s secret: ")
 
 
 def _prompt_tokens(reply: Reply) -> int:
