@@ -24,7 +24,7 @@ def _load(name: str) -> Cluster | None:
 
 @click.group("sandbox")
 def sandbox() -> None:
-    """Run real SGLang prefill/decode + a load balancer (mini-lb or ours) on CPU, on 127.0.0.1."""
+    """Run real SGLang prefill/decode + a load balancer (mini-lb, ours or smg) on CPU, on 127.0.0.1."""
 
 
 @sandbox.command()
@@ -35,7 +35,7 @@ def sandbox() -> None:
               help="Run this SGLang wheel instead.")
 @click.option("--backend", type=click.Choice(sorted(BACKENDS)), default="mooncake", show_default=True)
 @click.option("--lb", type=click.Choice(LBS), default="mini-lb", show_default=True,
-              help="sglang-router's mini-lb, or `sglang-hardened lb`.")
+              help="sglang-router's mini-lb, `sglang-hardened lb`, or the SGLang Model Gateway (smg).")
 @click.option("--prefill-pool-tokens", type=int, default=256, show_default=True)
 @click.option("--decode-pool-tokens", type=int, default=4096, show_default=True)
 @click.option("--context-length", type=int, default=1024, show_default=True)
@@ -53,7 +53,12 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
        overlay: Path | None) -> None:
-    """Build the environment if needed and start a cluster."""
+    """Build the environment if needed and start a cluster.
+
+    \b
+    Example:
+      sglang-hardened sandbox up --base 0.5.23 --hardened --lb smg --prefill-pool-tokens 2048
+    """
     try:
         old = _load(name)
         if old and marked_pids(old.run_id):
@@ -80,7 +85,12 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
 @sandbox.command()
 @click.option("--name", default="default", show_default=True)
 def down(name: str) -> None:
-    """Kill every process of the sandbox (by pid) and forget it."""
+    """Kill every process of the sandbox (by pid) and forget it.
+
+    \b
+    Example:
+      sglang-hardened sandbox down --name default
+    """
     cluster = _load(name)
     if cluster is None:
         click.echo(f"sandbox {name!r} is not up")
@@ -94,7 +104,12 @@ def down(name: str) -> None:
 @click.option("--name", default="default", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="URLs and parameters as JSON.")
 def status(name: str, as_json: bool) -> None:
-    """Say whether the sandbox runs, with its URLs and parameters."""
+    """Say whether the sandbox runs, with its URLs and parameters.
+
+    \b
+    Example:
+      sglang-hardened sandbox status --json
+    """
     cluster = _load(name)
     info = cluster.to_json() if cluster else {}
     info["running"] = bool(cluster and marked_pids(cluster.run_id))

@@ -37,7 +37,10 @@ CUDA_GRAPHS_OFF = {
     **{base: _BACKENDS_DISABLED for base in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
 }
 BACKENDS = {"mooncake": "mooncake_tcp", "nixl": "nixl"}
-LBS = ("mini-lb", "hardened")
+LBS = ("mini-lb", "hardened", "smg")
+# The upstream routers, started in PD mode from the SGLang environment's pins.
+PD_ROUTERS = {"mini-lb": ("sglang_router.launch_router", "--pd-disaggregation", "--mini-lb"),
+              "smg": ("smg", "launch", "--pd-disaggregation")}
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class ClusterParams:
     prefill_port: int = 0
     decode_port: int = 0
     lb_port: int = 0
-    lb: str = "mini-lb"  # or "hardened": `sglang-hardened lb` from the tool's own environment
+    lb: str = "mini-lb"  # or "hardened": `sglang-hardened lb` from the tool's own environment; or "smg"
     via_launch: bool = False  # servers start through `sglang-hardened launch` (H10's policy), as operators do
 
     def validate(self) -> None:
@@ -374,7 +377,8 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
             pid, log = _spawn(role, cmd, child_env, run_dir)
             cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port, cmd)
         # mini-lb reaches the servers only per request, so it loads (it imports sglang) beside them;
-        # ours checks their health at start and then every 5 s, so it starts once they are healthy
+        # ours and smg check their health at start (smg asks again only 30 s later), so they start
+        # once the servers are healthy
         lb_first = params.lb == "mini-lb"
         if lb_first:
             _start_lb(cluster, env, params.lb, "lb", lp)
@@ -391,12 +395,15 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
 
 
 def _start_lb(cluster: Cluster, env: SandboxEnv, kind: str, name: str, port: int) -> None:
-    """mini-lb runs from the sglang-router package pinned with the SGLang environment, ours from
-    the tool's own (this interpreter), each as an operator's router runs: without the SGLang wheel
-    on its path (mini-lb imports SGLang only for tracing, which is off: 5 CPU-seconds a start)."""
-    if kind == "mini-lb":
-        cmd = [str(env.python), "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
-               "--prefill", cluster.prefill_url, str(cluster.bootstrap_port)]
+    """mini-lb (sglang-router) and the SGLang Model Gateway (smg) run from the packages pinned
+    with the SGLang environment, ours from the tool's own (this interpreter), each as an
+    operator's router runs: without the SGLang wheel on its path (mini-lb imports SGLang only for
+    tracing, which is off: 5 CPU-seconds a start). smg's metrics listener would take 0.0.0.0:29000
+    in every cluster: it gets a free port on 127.0.0.1."""
+    if kind in ("mini-lb", "smg"):
+        cmd = [str(env.python), "-m", *PD_ROUTERS[kind], "--prefill", cluster.prefill_url, str(cluster.bootstrap_port)]
+        if kind == "smg":
+            cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         child_env = _child_env(env, cluster.params, cluster.run_id)
         child_env.pop("PYTHONPATH")
     else:

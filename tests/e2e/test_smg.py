@@ -1,0 +1,70 @@
+"""Through the SGLang Model Gateway (`smg`, the Rust successor of sglang-router that upstream's
+recipes put in front of PD): what a client gets for a prompt over prefill's KV pool, and what a
+client that hangs up mid-transfer leaves on decode, upstream 0.5.23 against hardened 0.5.23.
+Measured (2026-12-03, this test with -s): smg relays prefill's 400 for an over-pool prompt at
+once on both builds (mini-lb makes upstream's client wait out decode's timeout), and a hang-up
+mid-transfer frees no page under a write on either build (0.5.23 defers decode's release).
+
+The gateway is upstream's, pinned in the sandbox pins and started in PD mode with the prefill
+URL and bootstrap port; the page ledger judges the hang-up (writes are slowed so one can be hit
+mid-transfer). Cost: two cluster starts and two hang-ups of a few seconds, 120 s in all on 2 cores.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import phase
+
+from .conftest import record_timing, sandbox_env
+from .ledger import Ledger, wait_for, writer
+from .scenarios import (
+    DEPTH,
+    OVERSIZED_B,
+    SLOW_PROMPT,
+    TIMEOUT_PARAMS,
+    before_decode_gives_up,
+    hang_up,
+    post,
+    wait_pages_idle,
+)
+
+pytestmark = pytest.mark.e2e
+
+BASE, BACKEND = "0.5.23", "mooncake"
+PREFILL_LIMIT_MESSAGE = "exceeds the maximum allowed length"
+SLOW_S = 4.0
+
+
+@pytest.mark.parametrize("build", ["upstream", "hardened"])
+def test_over_pool_prompt_and_hang_up_through_smg(start_cluster, tmp_path, build):
+    hardened = build == "hardened"
+    ledger_env = (f"{writer.DIR_ENV}={tmp_path}", f"{writer.SLOW_ENV}={SLOW_S}")
+    depth = DEPTH["extra_env"] if hardened else ()
+    cluster = start_cluster(sandbox_env(BASE, hardened=hardened), backend=BACKEND, lb="smg",
+                            **TIMEOUT_PARAMS, extra_env=(*depth, *ledger_env))
+    idle = cluster.used_tokens()
+    with phase(f"scenario over-pool via smg {BASE} {build}"):
+        reply = cluster.generate(OVERSIZED_B, timeout=cluster.params.waiting_timeout_s * 4 + 60)
+    record_timing("oversized via smg", BASE, BACKEND, build, reply)
+    print(f"\nover-pool prompt via smg, {build}: HTTP {reply.status} in {reply.seconds:.1f} s")
+    # smg relays prefill's 400 at once, upstream's too (mini-lb waits for decode's answer)
+    assert reply.status == 400 and PREFILL_LIMIT_MESSAGE in reply.body, reply
+    assert before_decode_gives_up(cluster, reply), reply.seconds
+    assert wait_pages_idle(cluster, idle) == idle
+
+    with phase(f"scenario hang-up via smg {BASE} {build}"):
+        sent = time.monotonic()
+        conn = post(cluster.lb_url, {"text": SLOW_PROMPT, "sampling_params": {"temperature": 0.0,
+                                                                             "max_new_tokens": 400}})
+        wait_for(tmp_path, "begin", writer.SLOW_MIN_PAGES, after=sent)
+        hung_up = time.monotonic()
+        hang_up([conn])
+        used = wait_pages_idle(cluster, idle, timeout_s=SLOW_S + 60)
+        back_s = time.monotonic() - hung_up
+    unsafe = Ledger(tmp_path).unsafe_frees()
+    print(f"hang-up mid-transfer via smg, {build}: pages back {back_s:.1f} s after it, {len(unsafe)} freed under a write")
+    assert used == idle, f"pages leaked after a hang-up: {used} != {idle}"
+    assert not unsafe, "\n".join(map(str, unsafe[:5]))
