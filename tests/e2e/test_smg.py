@@ -7,7 +7,8 @@ mid-transfer frees no page under a write on either build (0.5.23 defers decode's
 
 The gateway is upstream's, pinned in the sandbox pins and started in PD mode with the prefill
 URL and bootstrap port; the page ledger judges the hang-up (writes are slowed so one can be hit
-mid-transfer). Cost: two cluster starts and two hang-ups of a few seconds, 120 s in all on 2 cores.
+mid-transfer). Cost: a cluster start and a hang-up of a few seconds per build, 120 s for both on
+2 cores; CI runs the hardened one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .conftest import record_timing, sandbox_env
 from .ledger import Ledger, wait_for, writer
 from .scenarios import (
     DEPTH,
+    FULL_MATRIX,
     OVERSIZED_B,
     SLOW_PROMPT,
     TIMEOUT_PARAMS,
@@ -34,11 +36,13 @@ from .scenarios import (
 pytestmark = pytest.mark.e2e
 
 BASE, BACKEND = "0.5.23", "mooncake"
+# CI runs the hardened cluster; upstream's (the same answers, shown on 2026-12-03) runs in the full matrix
+BUILDS = ["upstream", "hardened"] if FULL_MATRIX else ["hardened"]
 PREFILL_LIMIT_MESSAGE = "exceeds the maximum allowed length"
 SLOW_S = 4.0
 
 
-@pytest.mark.parametrize("build", ["upstream", "hardened"])
+@pytest.mark.parametrize("build", BUILDS)
 def test_over_pool_prompt_and_hang_up_through_smg(start_cluster, tmp_path, build):
     hardened = build == "hardened"
     ledger_env = (f"{writer.DIR_ENV}={tmp_path}", f"{writer.SLOW_ENV}={SLOW_S}")
