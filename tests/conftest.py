@@ -156,17 +156,23 @@ def eventually(pred, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
 
 
 @pytest.fixture
-def http_stand_in() -> Iterator[Callable[[Callable[[str], tuple[int, bytes]]], str]]:
+def http_stand_in() -> Iterator[Callable[[Callable[..., tuple[int, bytes]]], str]]:
     """Real loopback HTTP servers for a peer the code under test calls: each answers every
-    GET with ``answer(path)`` (status, body); returns the server's ``host:port``."""
+    GET with ``answer(path)`` and every POST with ``answer(path, body)`` (status, body);
+    returns the server's ``host:port``."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     servers: list[ThreadingHTTPServer] = []
 
-    def serve(answer: Callable[[str], tuple[int, bytes]]) -> str:
+    def serve(answer: Callable[..., tuple[int, bytes]]) -> str:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
-                status, body = answer(self.path)
+                self._reply(*answer(self.path))
+
+            def do_POST(self):
+                self._reply(*answer(self.path, self.rfile.read(int(self.headers["content-length"]))))
+
+            def _reply(self, status: int, body: bytes) -> None:
                 self.send_response(status)
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()

@@ -10,9 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -77,55 +74,33 @@ POOL, CONTEXT = 256, 512
 
 
 def _standin(leaks: bool, copies: bool = True):
-    """Stand-in for a deployment whose model copies its prompt (a real LLM needs a GPU): it
-    answers "Repeat X's secret:" with the canary in the KV it attends, and any other prompt with
-    ids hashed from that KV. A leaking one attends the pages the last tenant's prompt left and
-    answers a prompt over the pool with 200 (the incident); a safe one attends its own prompt
-    and refuses that prompt with a 400. ``copies=False`` answers never repeat a canary."""
+    """Stand-in for a deployment whose model copies its prompt (a real LLM needs a GPU), as a
+    /generate answer: it answers "Repeat X's secret:" with the canary in the KV it attends, and
+    any other prompt with ids hashed from that KV. A leaking one attends the pages the last
+    tenant's prompt left and answers a prompt over the pool with 200 (the incident); a safe one
+    attends its own prompt and refuses that prompt with a 400. ``copies=False`` answers never
+    repeat a canary."""
     last_tenant = [""]
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            prompt = json.loads(self.rfile.read(int(self.headers["content-length"])))["text"]
-            tokens = len(prompt.split())
-            if tokens > POOL and not leaks:
-                return self._send(400, {"error": {"message": "input is longer than the KV pool"}})
-            kv = last_tenant[0] if leaks and last_tenant[0] else prompt
-            if "secret" in prompt:
-                last_tenant[0] = prompt
-            canary = re.search(r"CANARY-\w+", kv)
-            text = canary.group(0) if copies and "Repeat" in prompt and canary else "the"
-            ids = list(hashlib.sha256(kv.encode()).digest()[:4])
-            self._send(200, {"text": text, "output_ids": ids, "meta_info": {"prompt_tokens": tokens}})
+    def answer(path: str, body: bytes) -> tuple[int, bytes]:
+        prompt = json.loads(body)["text"]
+        tokens = len(prompt.split())
+        if tokens > POOL and not leaks:
+            return 400, json.dumps({"error": {"message": "input is longer than the KV pool"}}).encode()
+        kv = last_tenant[0] if leaks and last_tenant[0] else prompt
+        if "secret" in prompt:
+            last_tenant[0] = prompt
+        canary = re.search(r"CANARY-\w+", kv)
+        text = canary.group(0) if copies and "Repeat" in prompt and canary else "the"
+        ids = list(hashlib.sha256(kv.encode()).digest()[:4])
+        return 200, json.dumps({"text": text, "output_ids": ids, "meta_info": {"prompt_tokens": tokens}}).encode()
 
-        def _send(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    return Handler
+    return answer
 
 
 @pytest.fixture
-def deployment() -> Iterator:
-    servers = []
-
-    def start(**kind) -> str:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _standin(**kind))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_port}"
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+def deployment(http_stand_in):
+    return lambda **kind: f"http://{http_stand_in(_standin(**kind))}"
 
 
 def _results(url: str) -> dict[str, str]:
