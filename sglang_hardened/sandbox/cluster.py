@@ -37,10 +37,10 @@ CUDA_GRAPHS_OFF = {
     **{base: _BACKENDS_DISABLED for base in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
 }
 BACKENDS = {"mooncake": "mooncake_tcp", "nixl": "nixl"}
-LBS = ("mini-lb", "hardened", "smg")
 # The upstream routers, started in PD mode from the SGLang environment's pins.
 PD_ROUTERS = {"mini-lb": ("sglang_router.launch_router", "--pd-disaggregation", "--mini-lb"),
               "smg": ("smg", "launch", "--pd-disaggregation")}
+LBS = (*PD_ROUTERS, "hardened")  # and ours, `sglang-hardened lb`
 
 
 @dataclass(frozen=True)
@@ -400,7 +400,7 @@ def _start_lb(cluster: Cluster, env: SandboxEnv, kind: str, name: str, port: int
     operator's router runs: without the SGLang wheel on its path (mini-lb imports SGLang only for
     tracing, which is off: 5 CPU-seconds a start). smg's metrics listener would take 0.0.0.0:29000
     in every cluster: it gets a free port on 127.0.0.1."""
-    if kind in ("mini-lb", "smg"):
+    if kind in PD_ROUTERS:
         cmd = [str(env.python), "-m", *PD_ROUTERS[kind], "--prefill", cluster.prefill_url, str(cluster.bootstrap_port)]
         if kind == "smg":
             cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
