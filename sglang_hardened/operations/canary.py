@@ -5,8 +5,11 @@ string; no answer may contain another tenant's canary. A prompt over the
 prefill KV pool must be refused (4xx): the incident's trigger was such a
 prompt answered 200 over pages its transfer never wrote. And, as in the
 sandbox's differential oracle, a greedy probe sent after each tenant's
-traffic must give the same output whatever that tenant sent. Request count
-and time are bounded; the report is JSON.
+traffic must give the same output whatever that tenant sent. A tenant's
+prompt differs from the other's in every sentence, not only in its canary:
+a probe that reads stale pages then reads different text after each tenant,
+as it would after real customers. Request count and time are bounded; the
+report is JSON.
 
 A check that could not have failed on this deployment says so instead of
 passing (``judged=False``): the canary check where no tenant's answer repeats
@@ -19,6 +22,7 @@ ok only if some check was judged and every judged check passed.
 from __future__ import annotations
 
 import json
+import random
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -26,8 +30,9 @@ from dataclasses import asdict, dataclass, field
 from ..common.errors import HardenedError
 from .oracle import Reply, Verdict, differential_check, generate
 
-UNIT = " the key of the page"  # a common-word unit: about one token per word in any tokenizer
-CALIBRATION_UNITS = 16
+# the words every prompt's filler is drawn from; what they cost in tokens is measured first
+WORDS = ("the", "key", "of", "page", "door", "tree", "lamp", "book", "road", "hand", "water", "light", "house", "river")
+CALIBRATION_ROUNDS = 4  # the calibration prompt is WORDS this many times over
 CANARY_HEX = 8  # hex digits of a canary: unique per run, and short enough for an answer to repeat
 
 
@@ -103,14 +108,17 @@ class _Sender:
         return reply
 
 
-def _prompt(tokens_per_unit: float, tokens: int, prefix: str = "", suffix: str = "") -> str:
-    return prefix + UNIT * max(1, round(tokens / tokens_per_unit)) + suffix
+def _words(tokens_per_word: float, tokens: int, seed: str) -> str:
+    """About ``tokens`` tokens of WORDS, drawn with ``seed``: the same text for the same seed."""
+    rng = random.Random(seed)
+    return "".join(f" {rng.choice(WORDS)}" for _ in range(max(1, round(tokens / tokens_per_word))))
 
 
-def _tenant_prompt(tokens_per_unit: float, tokens: int, tenant: str, canary: str) -> str:
-    """The canary first (the pages a leak exposes first differ between tenants), then filler and a
-    request to repeat it: a model that copies its prompt answers with the canary."""
-    return _prompt(tokens_per_unit, tokens, f"{tenant}'s secret is {canary}.", f". Repeat {tenant}'s secret: ")
+def _tenant_prompt(tokens_per_word: float, tokens: int, tenant: str, canary: str) -> str:
+    """The canary first, then filler of the tenant's own (drawn with the canary as seed, so every
+    page a leak could expose differs between tenants) and a request to repeat it: a model that
+    copies its prompt answers with the canary."""
+    return f"{tenant}'s secret is {canary}.{_words(tokens_per_word, tokens, canary)}. Repeat {tenant}'s secret: "
 
 
 def _prompt_tokens(reply: Reply) -> int:
@@ -126,13 +134,13 @@ def run_canary(url: str, plan: Plan) -> CanaryReport:
     start = time.monotonic()
     send = _Sender(url.rstrip("/"), plan)
     report = CanaryReport(url)
-    per_unit = _prompt_tokens(send(UNIT * CALIBRATION_UNITS)) / CALIBRATION_UNITS
+    per_word = _prompt_tokens(send(" ".join(WORDS * CALIBRATION_ROUNDS))) / (len(WORDS) * CALIBRATION_ROUNDS)
     canaries = {f"tenant-{i}": f"CANARY-{uuid.uuid4().hex[:CANARY_HEX]}" for i in range(plan.tenants)}
     tenant_tokens = max(8, min(plan.pool_tokens, plan.context_length) * 7 // 10)
-    histories = {t: [_tenant_prompt(per_unit, tenant_tokens, t, c)] * plan.repeats for t, c in canaries.items()}
+    histories = {t: [_tenant_prompt(per_word, tenant_tokens, t, c)] * plan.repeats for t, c in canaries.items()}
     # over the pool, and inside the context where the pool is the smaller (the incident's case)
     over_pool = plan.pool_tokens + max(16, (plan.context_length - plan.pool_tokens) // 2)
-    probes = {"over-pool": _prompt(per_unit, over_pool), "fitting": _prompt(per_unit, min(64, tenant_tokens))}
+    probes = {"over-pool": _words(per_word, over_pool, "probe"), "fitting": _words(per_word, min(64, tenant_tokens), "probe")}
     try:
         verdicts = {name: differential_check(send, p, histories, plan.rounds) for name, p in probes.items()}
     except HardenedError as exc:

@@ -42,9 +42,9 @@ def test_preflight_flags_the_unsafe_deployment_with_remedies(shared_cluster, tmp
 def test_canary_fails_the_leaking_deployment(shared_cluster):
     p = shared_cluster.params
     repeats = math.ceil(p.decode_pool_tokens / (min(p.prefill_pool_tokens, p.context_length) * 7 // 10)) + 1
-    # Three rounds, not the default two: whether stale pages change the tiny model's greedy answer
-    # varies with the random canaries (one CI run in several saw none in two), and each round is
-    # another chance for the probe's answer to differ between tenants.
+    # Three rounds, not the default two: the tiny random model's greedy answer often falls into the
+    # same loop whatever it attends to, and each round is another chance for it to differ. (Before
+    # tenants' prompts differed beyond their canaries, one CI run in several saw no difference.)
     report = run_canary(shared_cluster.lb_url, Plan(p.prefill_pool_tokens, p.context_length, repeats=repeats,
                                                     rounds=3, max_requests=120))
     checks = {c.name.split(" (")[0]: c for c in report.checks}
