@@ -115,10 +115,13 @@ class Ledger:
         return [UnsafeFree(w.room, p, t, w.end) for w in self.writes() for t, pid, p in frees
                 if pid == w.pid and p in w.src and w.begin <= t < w.end]
 
+    def write_end(self, room: int) -> float:
+        """When the room's last write returned."""
+        return max(w.end for w in self.writes() if w.room == room)
+
     def held_after_write_s(self, room: int) -> float:
         """Seconds from the room's last write returning to decode freeing its pages
         (negative: freed while the write was in flight)."""
         exposure = next(e for e in self.of("expose") if e["room"] == room)
-        end = max(w.end for w in self.writes() if w.room == room)
         return min(e["t"] for e in self.of("free")
-                   if set(exposure["pages"]) & set(e["pages"]) and e["t"] >= exposure["t"]) - end
+                   if set(exposure["pages"]) & set(e["pages"]) and e["t"] >= exposure["t"]) - self.write_end(room)

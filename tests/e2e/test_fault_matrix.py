@@ -289,7 +289,7 @@ def test_prefill_stopped_past_the_release_timeout(fc):
         ans = req.answer("decode", timeout_s=LOST_PEER_S + 10)
         time.sleep(RELEASE_TIMEOUT_S + 4)
     finally:
-        fc.signal("prefill", signal.SIGCONT)
+        resumed_at = fc.signal("prefill", signal.SIGCONT)
     assert ans.status == 500 and ans.seconds < LOST_PEER_S, ans
     wait_for(fc.ledger_dir, "end", timeout_s=30, after=req.sent_at)
     assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
@@ -297,7 +297,11 @@ def test_prefill_stopped_past_the_release_timeout(fc):
     held = _report(fc, "prefill stopped", req, unsafe)
     if fc.hardened:
         assert not unsafe, "\n".join(map(str, unsafe[:5]))
-        assert held < RELEASE_TIMEOUT_S / 2, "not freed on the ack"
+        # The ack comes once the write returned and prefill runs again: on a loaded host the
+        # stop can land just after the write returned (CI's run of 2cb8dcc: freed 21 s after
+        # the write, as prefill resumed), so the wait counts from the later of the two.
+        after_both = held - max(0.0, resumed_at - Ledger(fc.ledger_dir).write_end(req.room))
+        assert after_both < RELEASE_TIMEOUT_S / 2, "not freed on the ack"
     else:
         assert unsafe and all(u.write_end - u.freed_at > RELEASE_TIMEOUT_S / 2 for u in unsafe), unsafe[:3]
 
