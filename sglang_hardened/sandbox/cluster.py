@@ -343,38 +343,43 @@ class PortRace(SandboxError):
     their own internal ports at random, so the window cannot be closed from outside)."""
 
 
-def start(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s: float = 300.0) -> Cluster:
+def start(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s: float = 300.0,
+          prefill_env: SandboxEnv | None = None) -> Cluster:
     """Start prefill, decode and mini-lb; return once a request through the lb succeeds.
 
-    On any failure everything started is killed and SandboxError carries the
-    failing server's log tail. A lost race for a port picked here is retried
-    once with fresh ports; a port the caller asked for is never swapped.
+    ``prefill_env`` runs prefill from another build of the same base (a rolling upgrade's
+    mixed cluster: an unhardened prefill in front of a hardened decode); decode and the lb
+    run from ``env``. On any failure everything started is killed and SandboxError carries
+    the failing server's log tail. A lost race for a port picked here is retried once with
+    fresh ports; a port the caller asked for is never swapped.
     """
     try:
-        return _start_once(env, params, model, deadline_s)
+        return _start_once(env, params, model, deadline_s, prefill_env)
     except PortRace:
         if params.prefill_port or params.decode_port or params.lb_port:
             raise
-        return _start_once(env, params, model, deadline_s)
+        return _start_once(env, params, model, deadline_s, prefill_env)
 
 
-def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s: float) -> Cluster:
+def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s: float,
+                prefill_env: SandboxEnv | None) -> Cluster:
     params.validate()
-    if env.base != params.base:
-        raise SandboxError(f"environment is for {env.base}, cluster asks for {params.base}")
+    role_envs = {"prefill": prefill_env or env, "decode": env}
+    if any(e.base != params.base for e in role_envs.values()):
+        raise SandboxError(f"environments are for {role_envs['prefill'].base} (prefill) and {env.base} "
+                           f"(decode), the cluster asks for {params.base}")
     t0 = time.monotonic()
     run_id = uuid.uuid4().hex[:12]
     run_dir = cache_dir() / "runs" / run_id
     run_dir.mkdir(parents=True)
     pp, bp, dp, lp = _ports([params.prefill_port, 0, params.decode_port, params.lb_port])
     cluster = Cluster(params, run_id, run_dir, bootstrap_port=bp)
-    child_env = _child_env(env, params, run_id)
     try:
         for role, port in (("prefill", pp), ("decode", dp)):
-            cmd = _server_cmd(env, params, model, role, port)
+            cmd = _server_cmd(role_envs[role], params, model, role, port)
             if role == "prefill":
                 cmd += ["--disaggregation-bootstrap-port", str(bp)]
-            pid, log = _spawn(role, cmd, child_env, run_dir)
+            pid, log = _spawn(role, cmd, _child_env(role_envs[role], params, run_id), run_dir)
             cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port, cmd)
         # mini-lb reaches the servers only per request, so it loads (it imports sglang) beside them;
         # ours and smg check their health at start (smg asks again only 30 s later), so they start

@@ -39,12 +39,12 @@ def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = ()
     return _ENVS[key]
 
 
-def launch(env: SandboxEnv, model: str = "tiny", **params) -> sbc.Cluster:
-    """Start a cluster (of a model variant), timed as a phase, its ports kept for the
-    leftovers check; the caller stops it."""
+def launch(env: SandboxEnv, model: str = "tiny", prefill_env: SandboxEnv | None = None, **params) -> sbc.Cluster:
+    """Start a cluster (of a model variant; prefill from another build if given), timed as a
+    phase, its ports kept for the leftovers check; the caller stops it."""
     p = sbc.ClusterParams(base=env.base, **params)
     with phase(f"{CLUSTER_START} {p.base} {p.backend}"):
-        c = sbc.start(env, p, ensure_model(env, model))
+        c = sbc.start(env, p, ensure_model(env, model), prefill_env=prefill_env)
     PORTS_USED.extend(proc.port for proc in c.procs.values())
     PORTS_USED.append(c.bootstrap_port)
     return c
@@ -62,8 +62,8 @@ def start_cluster(request) -> Iterator[Callable[..., sbc.Cluster]]:
     started: list[sbc.Cluster] = []
     request.node.sandbox_clusters = started
 
-    def _start(env: SandboxEnv, model: str = "tiny", **params) -> sbc.Cluster:
-        started.append(launch(env, model, **params))
+    def _start(env: SandboxEnv, model: str = "tiny", prefill_env: SandboxEnv | None = None, **params) -> sbc.Cluster:
+        started.append(launch(env, model, prefill_env, **params))
         return started[-1]
 
     yield _start

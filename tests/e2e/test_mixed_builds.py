@@ -1,0 +1,43 @@
+"""A hardened decode behind an unhardened prefill (a rolling upgrade half done, which preflight
+flags): decode cannot tell the pages that prefill's transfer wrote from stale ones, so it refuses
+every request before decoding rather than vouch for them. H3 refuses for want of prefill's
+coverage stamp; a decode built without H3 refuses by H8's page tags, which no unhardened prefill
+writes. The upstream decode of the same cluster serves these requests (every other test's
+upstream cluster): the refusal is the hardened rule, not a broken transfer. H7's check of
+prefill's input limit reads a 404 and lets the request through to these checks.
+
+Cost: two cluster starts (upstream 0.5.23 prefill, hardened decode), a few requests each.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_hardened.operations.oracle import Verdict
+from tests.conftest import phase
+
+from .conftest import sandbox_env
+from .scenarios import FITTING_C, SAFE_PARAMS, shows_nothing_decoded, wait_pages_idle
+
+pytestmark = pytest.mark.e2e
+
+BASE = "0.5.23"
+# the hardening item that refuses, the decode build (the items it leaves out), what decode's log says
+REFUSERS = {"H3": ((), "did not state how many prompt tokens its transfer covers"),
+            "H8": (("H3", "H4"), "do not carry its tag")}
+
+
+@pytest.mark.parametrize("item", REFUSERS)
+def test_hardened_decode_refuses_what_an_unhardened_prefill_sent(start_cluster, item):
+    without, logged = REFUSERS[item]
+    # every request is refused, so the cluster is ready when the lb is, not when one is served
+    cluster = start_cluster(sandbox_env(BASE, hardened=True, without=without), prefill_env=sandbox_env(BASE),
+                            **SAFE_PARAMS, probe_transfer=False)
+    idle = cluster.used_tokens()
+    with phase(f"scenario unhardened prefill {BASE} hardened decode by {item}"):
+        got = [cluster.generate(FITTING_C) for _ in range(2)]
+    assert all(r.status == 500 and f"sglang-hardened {item}" in r.body for r in got), got
+    assert shows_nothing_decoded(Verdict({"probe": got})), got
+    decode_log = cluster.log_tail("decode", 4000)
+    assert logged in decode_log and "is not hardened" in decode_log
+    assert wait_pages_idle(cluster, idle) == idle
