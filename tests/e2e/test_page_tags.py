@@ -37,8 +37,11 @@ pytestmark = pytest.mark.e2e
 WITHOUT = ("H3", "H4")
 REFUSED = "sglang-hardened H8"
 faults = overlay_module("sgl_faults")  # injected page faults, in upstream and hardened builds alike
-# One cluster per base and build runs its faults in turn (one base each, to keep the starts few).
-FAULTS = {"0.5.23": ("drop-last-page", "page-reused-early"), "0.5.19": ("stale-page-index",)}
+# One cluster per base, backend and build runs its faults in turn (each fault on one base, to keep
+# the starts few). The decode-side faults hit any backend: NIXL gets one of them.
+FAULTS = {("0.5.23", "mooncake"): ("drop-last-page", "page-reused-early"), ("0.5.19", "mooncake"): ("stale-page-index",),
+          ("0.5.23", "nixl"): ("stale-page-index",)}
+FAIL_CLOSED = ("0.5.19", "mooncake")  # its decode fails closed (its one fault is the last)
 # 17 one-token pages: over the faults' 16-page floor, and short enough that the one page
 # a fault hits moves the tiny model's output (an 80-token probe hides a page or two).
 FAULT_PROBE = prompt_of(17)
@@ -64,12 +67,13 @@ def test_h8_refuses_pages_a_truncated_transfer_left_unwritten(start_cluster, bas
     assert "do not carry its tag" in cluster.log_tail("decode", 2000)
 
 
-def _fault_cluster(start_cluster, switch: Path, base: str, hardened: bool, *env_extra: str):
+def _fault_cluster(start_cluster, switch: Path, base: str, backend: str, hardened: bool, *env_extra: str):
     """A cluster that cycles decode's free list, its page faults switched by ``switch`` (empty: none)."""
     switch.write_text("")
     env = sandbox_env(base, hardened=True, without=WITHOUT) if hardened else sandbox_env(base)
     depth = DEPTH["extra_env"] if hardened else ()
-    return start_cluster(env, **LEAK_PARAMS, extra_env=(*depth, f"{faults.FILE_ENV}={switch}", *env_extra))
+    return start_cluster(env, backend=backend, **LEAK_PARAMS,
+                         extra_env=(*depth, f"{faults.FILE_ENV}={switch}", *env_extra))
 
 
 def _hits(cluster, fault: str) -> int:
@@ -78,20 +82,21 @@ def _hits(cluster, fault: str) -> int:
     return cluster.log_tail(role, 10**6).count(f"SANDBOX PAGE FAULT {fault}:")
 
 
-@pytest.mark.parametrize("base", FAULTS)
-def test_h8_refuses_injected_faults(start_cluster, tmp_path, base):
+@pytest.mark.parametrize("base,backend", FAULTS)
+def test_h8_refuses_injected_faults(start_cluster, tmp_path, base, backend):
     """Each injected fault makes every request read a page its transfer did not write; H8 alone
     refuses each before decoding and no page is lost. The same prompt is served with no fault.
-    0.5.19's decode fails closed (its one fault is the last): after the first mismatch it admits
-    no request, the fault switched off or not, until restarted."""
+    0.5.19's decode fails closed: after the first mismatch it admits no request, the fault
+    switched off or not, until restarted."""
     switch = tmp_path / "fault"
-    fail_closed = base == "0.5.19"
-    cluster = _fault_cluster(start_cluster, switch, base, True, *((f"{FAIL_CLOSED_ENV}=1",) if fail_closed else ()))
+    fail_closed = (base, backend) == FAIL_CLOSED
+    cluster = _fault_cluster(start_cluster, switch, base, backend, True,
+                             *((f"{FAIL_CLOSED_ENV}=1",) if fail_closed else ()))
     idle = cluster.used_tokens()
     assert cluster.generate(FAULT_PROBE).status == 200
-    for fault in FAULTS[base]:
+    for fault in FAULTS[base, backend]:
         switch.write_text(fault)
-        with phase(f"scenario fault {fault} {base} hardened without H3"):
+        with phase(f"scenario fault {fault} {base} {backend} hardened without H3"):
             got = [cluster.generate(FAULT_PROBE) for _ in range(3)]
         assert all(r.status == 500 and REFUSED in r.body for r in got), (fault, got)
         assert _hits(cluster, fault) >= 3
@@ -103,17 +108,17 @@ def test_h8_refuses_injected_faults(start_cluster, tmp_path, base):
         assert wait_pages_idle(cluster, idle) == idle
 
 
-@pytest.mark.parametrize("base", FAULTS)
-def test_upstream_output_depends_on_other_requests_under_injected_faults(start_cluster, tmp_path, base):
+@pytest.mark.parametrize("base,backend", FAULTS)
+def test_upstream_output_depends_on_other_requests_under_injected_faults(start_cluster, tmp_path, base, backend):
     """The same faults on upstream: every request is answered 200, and the probe's output
     changes with the history of other tenants' requests before it (the differential oracle:
     a correct server's greedy output does not). No page is lost."""
     switch = tmp_path / "fault"
-    cluster = _fault_cluster(start_cluster, switch, base, hardened=False)
+    cluster = _fault_cluster(start_cluster, switch, base, backend, hardened=False)
     idle = cluster.used_tokens()
-    for fault in FAULTS[base]:
+    for fault in FAULTS[base, backend]:
         switch.write_text(fault)
-        with phase(f"scenario fault {fault} {base} upstream"):
+        with phase(f"scenario fault {fault} {base} {backend} upstream"):
             v = observe_probes(cluster, {"probe": FAULT_PROBE})["probe"]
         assert all(r.status == 200 for r in replies(v)), (fault, v.replies)
         assert v.leaked, (fault, v.replies)
