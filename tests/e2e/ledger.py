@@ -44,6 +44,12 @@ class UnsafeFree:
         return f"room {self.room}: page {self.page} freed while its write was in flight (the write {until})"
 
 
+def ledger_env(folder: Path, slow_s: float) -> tuple[str, str]:
+    """The servers' environment entries that turn the ledger on into ``folder`` and slow each
+    large write call by ``slow_s`` (so a fault can land while it is in flight)."""
+    return f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={slow_s}"
+
+
 def wait_for(folder: Path, ev: str, min_pages: int = 0, timeout_s: float = 60.0, after: float = 0.0) -> dict:
     """The first ``ev`` event over at least ``min_pages`` pages since ``after`` (time.monotonic(),
     the ledger's clock), once the ledger has one."""

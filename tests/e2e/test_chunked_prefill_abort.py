@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from .conftest import launch, sandbox_env
-from .ledger import Ledger, wait_for, writer
+from .ledger import Ledger, ledger_env, wait_for, writer
 from .scenarios import SAFE_PARAMS, bootstrap_fields, core, post, prompt_of, upstream_only, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
@@ -41,7 +41,7 @@ def test_abort_during_chunked_prefill_keeps_the_pages_a_write_reads(base, backen
     cluster = launch(sandbox_env(base, hardened=hardened), backend=backend,
                      **dict(SAFE_PARAMS, decode_pool_tokens=2600, chunked_prefill_size=32,
                             extra_flags=("--disable-radix-cache",)),
-                     extra_env=(f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}",
+                     extra_env=(*ledger_env(folder, SLOW_S),
                                 f"{writer.SLOW_SWITCH_ENV}={switch}",
                                 "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=8"))
     try:

@@ -32,7 +32,7 @@ from tests.conftest import overlay_module
 
 from .conftest import TIMINGS, launch, restart, sandbox_env
 from .inflight import Answer, InFlight, abort_request, send_mid_transfer
-from .ledger import Ledger, wait_for, writer
+from .ledger import Ledger, ledger_env, wait_for, writer
 from .scenarios import (FITTING_C, FULL_MATRIX, SAFE_PARAMS, SLOW_PROMPT, core, hang_up, observe_probes,
                         wait_pages_idle)
 
@@ -163,7 +163,7 @@ def fc(request, tmp_path_factory):
     switch, fault = folder.parent / f"{folder.name}.slow", folder.parent / f"{folder.name}.fault"
     fault.write_text("")
     cluster = launch(env, backend=build.backend, **PARAMS, extra_env=(
-        f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}",
+        *ledger_env(folder, SLOW_S),
         f"{writer.SLOW_SWITCH_ENV}={switch}", f"{FAULT_FILE_ENV}={fault}", *HEARTBEAT,
         f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
         f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}",

@@ -20,7 +20,7 @@ from sglang_hardened.sandbox.cluster import Cluster
 from tests.conftest import phase
 
 from .conftest import launch, sandbox_env
-from .ledger import Ledger, wait_for, writer
+from .ledger import Ledger, ledger_env, wait_for, writer
 from .scenarios import SAFE_PARAMS, SLOW_PROMPT, hang_up, post, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +35,7 @@ def ledger_cluster(tmp_path_factory) -> Iterator[tuple[Cluster, Path, dict[str, 
     """The cluster, its ledger folder, and the KV tokens each role holds when idle."""
     folder = tmp_path_factory.mktemp("ledger")
     cluster = launch(sandbox_env(BASE), **SAFE_PARAMS, lb="hardened",
-                     extra_env=(f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={SLOW_S}"))
+                     extra_env=ledger_env(folder, SLOW_S))
     yield cluster, folder, cluster.used_tokens()
     cluster.stop()
 

@@ -25,7 +25,7 @@ from sglang_hardened.sandbox.cluster import Cluster
 from tests.conftest import phase
 
 from .conftest import record_timing, sandbox_env
-from .ledger import Ledger, wait_for, writer
+from .ledger import Ledger, ledger_env, wait_for, writer
 from .scenarios import (
     DEPTH,
     FULL_MATRIX,
@@ -51,10 +51,9 @@ SLOW_S = 4.0
 @pytest.mark.parametrize("build", BUILDS)
 def test_over_pool_prompt_and_hang_up_through_smg(start_cluster, tmp_path, build):
     hardened = build == "hardened"
-    ledger_env = (f"{writer.DIR_ENV}={tmp_path}", f"{writer.SLOW_ENV}={SLOW_S}")
     depth = DEPTH["extra_env"] if hardened else ()
     cluster = start_cluster(sandbox_env(BASE, hardened=hardened), backend=BACKEND, lb="smg",
-                            **TIMEOUT_PARAMS, extra_env=(*depth, *ledger_env))
+                            **TIMEOUT_PARAMS, extra_env=(*depth, *ledger_env(tmp_path, SLOW_S)))
     idle = cluster.used_tokens()
     with phase(f"scenario over-pool via smg {BASE} {build}"):
         reply = cluster.generate(OVERSIZED_B, timeout=cluster.params.waiting_timeout_s * 4 + 60)
@@ -75,7 +74,7 @@ def test_a_hang_up_through_smg_frees_pages_under_a_write_on_upstream_0519(start_
     still landing in. `sglang-hardened lb` in front of the same servers frees none
     (test_lb_disconnect.py); hardened servers hold them behind any balancer (above)."""
     cluster = start_cluster(sandbox_env("0.5.19"), backend=BACKEND, lb="smg", **SAFE_PARAMS,
-                            extra_env=(f"{writer.DIR_ENV}={tmp_path}", f"{writer.SLOW_ENV}={SLOW_S}"))
+                            extra_env=ledger_env(tmp_path, SLOW_S))
     unsafe = _hang_up_mid_transfer(cluster, tmp_path, cluster.used_tokens(), "0.5.19 upstream")
     assert unsafe, "smg's hang-up freed no page under a write: the harm is not shown"
 
