@@ -8,11 +8,12 @@ whole KV manager and transfer engine; tests/e2e/test_fault_matrix.py runs the re
 from __future__ import annotations
 
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from sglang_hardened.runtime import source_hold
+from sglang_hardened.runtime import nixl_drain, source_hold
 
 
 class Clock:
@@ -95,3 +96,26 @@ def test_a_parked_release_runs_when_its_hold_runs_out(timeout_s, caplog):
     assert released == ["req"] and not source_hold.parked(req)
     assert [r.levelno for r in caplog.records if "room 6" in r.message] == [logging.WARNING], \
         "a release the bound forced, under a write that may still read the pages, is a warning"
+
+
+def test_a_room_the_nixl_watcher_holds_stays_held_after_the_worker_popped_its_count(timeout_s):
+    """Found by a soak (hardened 0.5.23 NIXL): a cached prompt's prefix went as a chunk of its
+    own, its write hung behind a stopped decode and was given up on (``nixl_drain`` took the
+    room); the worker then skipped the room's last chunk, which pops the room's whole count, so
+    the hold let go and the prefix pages were evicted 0.9 s before the write reading them
+    settled. The watcher's own threads and state, with a stand-in NIXL agent."""
+    state = {"handle": "PROC"}  # the given-up write, as the transport reports it
+    acks: list[int] = []
+    sender = Sender(7, 1)
+    sender.kv_mgr = manager = SimpleNamespace(
+        _staging_outstanding=sender.kv_mgr._staging_outstanding, enable_deferred_decode_kv_release=True,
+        agent=SimpleNamespace(check_xfer_state=state.get), conclude_failure=lambda **_: None,
+        _maybe_ack_drained_abort=acks.append)
+    assert nixl_drain.take_unsettled(manager, 7, ["handle"], "given up at the release timeout")
+    manager._staging_outstanding.pop(7)  # the worker's skip of the room's next chunk
+    assert source_hold.still_sending(sender)
+    state["handle"] = "DONE"
+    deadline = time.monotonic() + 10
+    while not acks and time.monotonic() < deadline:
+        time.sleep(nixl_drain.POLL_S)
+    assert acks == [7] and not source_hold.still_sending(sender)

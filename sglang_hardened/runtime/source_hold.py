@@ -20,12 +20,11 @@ Either hold lasts at most ``HOLD_TIMEOUTS`` deferred-release timeouts: a
 Mooncake call ends within one timeout of its start (H6's bound, Mooncake's
 own per-call timeout), and its post may still have been queued when the room
 failed. It is bounded because a NIXL write into a stalled peer has no end
-of its own (``nixl_drain``'s watcher keeps its chunk counted until it
-settles), which would otherwise hold the pages for as long as the peer is
-stalled. Such a write may then read pages given to another request, into
-the decode pages of a room that failed, which decode holds until prefill's
-drain ack (``release_guard``) and never reads. Past it the pages go back,
-logged.
+of its own (``nixl_drain``'s watcher holds the room until it settles), which
+would otherwise hold the pages for as long as the peer is stalled. Such a
+write may then read pages given to another request, into the decode pages of
+a room that failed, which decode holds until prefill's drain ack
+(``release_guard``) and never reads. Past it the pages go back, logged.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+from . import nixl_drain
 from .release_timeout import process_release_timeout_s
 
 log = logging.getLogger("sglang_hardened")
@@ -45,10 +45,15 @@ _held_since: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionar
 
 
 def _in_flight(sender) -> int:
-    """Chunks of the sender's room the transfer worker has dequeued and not finished
-    (0 for a sender with no worker, such as a warm-up request's)."""
-    counts = getattr(getattr(sender, "kv_mgr", None), "_staging_outstanding", None)
-    return counts.get(sender.bootstrap_room, 0) if counts is not None else 0
+    """Chunks of the sender's room the transfer worker has dequeued and not finished (0 for a
+    sender with no worker, such as a warm-up request's); at least 1 while ``nixl_drain``'s
+    watcher holds writes of the room given up on. The count alone is not enough there: the
+    worker skips the room's next queued chunk once the room failed and pops the whole count,
+    the given-up writes' included (a cached prompt's prefix goes as a chunk of its own)."""
+    manager = getattr(sender, "kv_mgr", None)
+    counts = getattr(manager, "_staging_outstanding", None)
+    queued = counts.get(sender.bootstrap_room, 0) if counts is not None else 0
+    return max(queued, 1) if manager is not None and nixl_drain.holds(manager, sender.bootstrap_room) else queued
 
 
 def _within_hold(since: float, now: float) -> bool:
