@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -13,7 +12,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -25,15 +23,6 @@ from sglang_hardened.pipeline.series import copy_without
 from tests.budget import STARTED_ENV, Spent, load_budget, overruns
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def overlay_module(name: str) -> ModuleType:
-    """A module of the CPU overlay's ``site/`` (test instrumentation every sandbox build
-    imports), loaded from its file: the tool's own environment does not have ``site/`` on its path."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "cpu_overlay" / "site" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="session")

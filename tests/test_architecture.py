@@ -14,7 +14,7 @@ ROW = re.compile(r"^\| (\w+) \| `sglang_hardened/(\w+)/` \|[^|]*\| (.*) \|$", re
 def _layers() -> list[tuple[str, set[str]]]:
     """(folder, modules named) per table row, in the table's order."""
     text = (REPO / "docs" / "architecture.md").read_text()
-    return [(folder, set(re.findall(r"`(\w+\.(?:py|yaml))`", modules))) for _, folder, modules in ROW.findall(text)]
+    return [(folder, set(re.findall(r"`([\w/]+\.(?:py|yaml))`", modules))) for _, folder, modules in ROW.findall(text)]
 
 
 def test_every_layer_row_names_exactly_the_modules_in_its_folder():
@@ -22,7 +22,7 @@ def test_every_layer_row_names_exactly_the_modules_in_its_folder():
     assert {folder for folder, _ in layers} == {p.name for p in PACKAGE.iterdir()
                                                if p.is_dir() and (p / "__init__.py").exists()}
     for folder, named in layers:
-        present = {p.name for p in (PACKAGE / folder).iterdir()
+        present = {str(p.relative_to(PACKAGE / folder)) for p in (PACKAGE / folder).rglob("*")
                    if p.suffix in (".py", ".yaml") and p.name != "__init__.py"}
         assert named == present, (folder, "named only:", named - present, "not named:", present - named)
 
@@ -31,8 +31,8 @@ def test_a_layer_imports_only_from_the_layers_before_it():
     order = [folder for folder, _ in _layers()]
     upward = []
     for rank, folder in enumerate(order):
-        for path in (PACKAGE / folder).glob("*.py"):
-            for target in re.findall(r"^\s*from (?:\.\.|sglang_hardened\.)(\w+)", path.read_text(), re.M):
+        for path in (PACKAGE / folder).rglob("*.py"):
+            for target in re.findall(r"^\s*from (?:\.{2,}|sglang_hardened\.)(\w+)", path.read_text(), re.M):
                 if target in order and order.index(target) > rank:
                     upward.append(f"{folder}/{path.name} imports {target}")
     assert not upward, upward

@@ -1,4 +1,5 @@
-"""The page ledger takes a NIXL write's end from the transport, never from the code it judges.
+"""The page ledger takes a NIXL write's end from the transport, never from the code it judges;
+and it tells which prefill slots each position decode attends to came from.
 
 Review finding (#22.1): for a write hardened prefill gave up on, the ledger's "write ended"
 event was the hardened runtime's own "settled" log line, so a runtime that said so too early
@@ -15,8 +16,8 @@ import types
 
 import pytest
 
-from tests.conftest import overlay_module
-from tests.e2e.ledger import Ledger
+from sglang_hardened.sandbox.env import overlay_module
+from sglang_hardened.sandbox.ledger import Ledger
 
 ROOM, PAGES = 7, list(range(16))
 
@@ -47,7 +48,7 @@ def ledger(tmp_path, monkeypatch):
     monkeypatch.setattr(Agent, "check_xfer_state", Agent.__dict__["check_xfer_state"])
     writer = overlay_module("sgl_ledger")
     monkeypatch.setenv(writer.DIR_ENV, str(tmp_path))
-    writer.exposed(ROOM, PAGES)  # decode's side: from here on these pages may be written
+    writer.exposed(ROOM, PAGES, len(PAGES))  # decode's side: from here on these pages may be written
     return writer
 
 
@@ -91,3 +92,30 @@ def test_a_rejected_post_ends_nothing_until_its_writes_on_the_wire_land(ledger, 
     ledger.landed(ROOM)
     ledger.freed_pages(PAGES)
     assert not Ledger(tmp_path).unsafe_frees()
+
+
+def test_a_page_sent_whole_carries_slots_prefill_held_for_another_room(ledger, tmp_path, monkeypatch):
+    """#22's same-page case, in one process: prefill holds 6 positions of room B (pages of 4),
+    sends its two pages whole, and decode attends to 9 positions. Position 6 and 7 come from
+    slots room A held before; position 8's page no write covered. Each Mooncake engine call
+    under the send is recorded with what it carried."""
+
+    class Engine:  # a stand-in ``mooncake.engine.TransferEngine``: every call succeeds
+        def batch_transfer_sync_write(self, peer, srcs, dsts, lengths) -> int:
+            return 0
+
+    monkeypatch.setitem(sys.modules, "mooncake.engine", types.SimpleNamespace(TransferEngine=Engine))
+    room_a, room_b = 3, 9
+    ledger.owns(room_a, range(8), 4)
+    ledger.owns(room_b, range(6), 4)  # B reuses A's slots 0-5 (A ended); 6 and 7 still hold A's KV
+    ledger.exposed(room_b, [10, 11, 12], 9)
+
+    def send(session, src_pages, dst_ptrs, dst_pages) -> int:
+        return Engine().batch_transfer_sync_write(session, [1, 2], [3, 4], [64, 32])
+
+    assert ledger.writing(types.SimpleNamespace(room=room_b), [10, 11], send)("peer", [0, 1], [0], [10, 11]) == 0
+    judged = Ledger(tmp_path)
+    assert [(r.position, r.slot, r.owner) for r in judged.unowned_reads(room_b)] == [
+        (6, 6, room_a), (7, 7, room_a), (8, None, None)]
+    [call] = judged.calls(room_b)
+    assert (call["entries"], call["bytes"], call["longest"], call["rc"]) == (2, 96, 64, 0)

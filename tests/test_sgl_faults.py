@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import eventually, overlay_module
+from sglang_hardened.sandbox.env import overlay_module
+from tests.conftest import eventually
 
 faults = overlay_module("sgl_faults")
 PAGE = 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from ..common.errors import HardenedError
 from ..common.hashing import sha256_file
@@ -255,6 +257,17 @@ def default_overlay() -> Path:
     if not (root / "edits.toml").is_file():
         raise SandboxError("no tests/cpu_overlay beside this package: run from a source checkout or pass an overlay")
     return root
+
+
+def overlay_module(name: str, overlay: Path | None = None) -> ModuleType:
+    """A module of the CPU overlay's ``site/`` (test instrumentation every sandbox build
+    imports), loaded from its file: its names (environment variables, thresholds) are read
+    here from their one definition, and the tool's own environment has no ``site/`` on its path."""
+    path = (overlay or default_overlay()) / "site" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),

@@ -89,7 +89,9 @@ SAFE_PARAMS = dict(prefill_pool_tokens=1024, decode_pool_tokens=1600, context_le
 # SAME_PAGE (509) ends in the same page on both (only decode's own check sees it).
 TRUNC_PARAMS = dict(prefill_pool_tokens=1024, decode_pool_tokens=1200, context_length=512,
                     decode_context_length=1024, page_size=16, extra_flags=("--allow-auto-truncate",))
-SAME_PAGE = prompt_of(509)
+TRUNC_PREFILL_TOKENS = 506  # what prefill keeps of a longer prompt there
+SAME_PAGE_TOKENS = 509
+SAME_PAGE = prompt_of(SAME_PAGE_TOKENS)
 
 
 @dataclass

@@ -18,10 +18,10 @@ import pytest
 
 from sglang_hardened.runtime.release_timeout import RELEASE_TIMEOUT_ENV
 from sglang_hardened.runtime.transfer_bounds import LINK_RATE_ENV, MAX_ENTRIES_ENV
+from sglang_hardened.sandbox.ledger import Ledger, wait_for, writer
 
 from .conftest import sandbox_env
 from .inflight import abort_request, send_mid_transfer
-from .ledger import Ledger, wait_for, writer
 from .scenarios import SAFE_PARAMS, wait_pages_idle
 
 pytestmark = pytest.mark.e2e

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from sglang_hardened.sandbox.env import SandboxError
+from sglang_hardened.sandbox.ledger import Ledger, writer
 from tests.conftest import phase
 
 from .conftest import record_timing, sandbox_env
-from .ledger import Ledger, writer
 from .scenarios import (
     AT_LIMIT,
     before_decode_gives_up,
@@ -27,8 +27,10 @@ from .scenarios import (
     OVER_LIMIT,
     OVERSIZED_B,
     SAME_PAGE,
+    SAME_PAGE_TOKENS,
     TIMEOUT_PARAMS,
     TRUNC_PARAMS,
+    TRUNC_PREFILL_TOKENS,
     core,
     edge,
     upstream_only,
@@ -67,22 +69,45 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
 
 
 @pytest.mark.parametrize("base,backend", upstream_only([("0.5.23", "mooncake")]))
-def test_upstream_truncation_with_unequal_limits_reads_other_tenants_kv(start_cluster, base, backend):
-    """H3's bug on every base: prefill truncates to its limit, decode keeps the whole prompt
-    and decodes over pages no transfer wrote for it, behind a 200."""
-    cluster = start_cluster(sandbox_env(base), backend=backend, **TRUNC_PARAMS)
+def test_upstream_truncation_with_unequal_limits_reads_other_tenants_kv(start_cluster, base, backend, tmp_path):
+    """H3's bug on every base: prefill truncates to its limit (506 tokens), decode keeps the
+    whole prompt and decodes over KV no transfer wrote for it, behind a 200. Pages apart, the
+    answers differ with the tenant before; in one page (509 tokens) three slots of a page sent
+    whole hold KV prefill never computed for the request (an earlier request's, or never
+    written), too few for the tiny model's answer to move, so the page ledger shows it: which
+    prefill slot each position decode attends to came from."""
+    cluster = start_cluster(sandbox_env(base), backend=backend, **TRUNC_PARAMS,
+                            extra_env=(f"{writer.DIR_ENV}={tmp_path}",))
     with phase(f"scenario truncation {base} upstream {backend}"):
         v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE})
     print({name: {label: v[name].outputs(label) for label in v[name].replies} for name in v})
     assert all(r.status == 200 for name in v for r in replies(v[name]))
     assert v["pages_apart"].leaked
+    same_page = unowned_reads(tmp_path, SAME_PAGE_TOKENS)
+    past_prefill = list(range(TRUNC_PREFILL_TOKENS, SAME_PAGE_TOKENS))  # in the page prefill sent whole
+    assert same_page and all([r.position for r in reads] == past_prefill and None not in [r.slot for r in reads]
+                             for reads in same_page), same_page
+
+
+def unowned_reads(ledger_dir, tokens: int) -> list[list]:
+    """For each room whose prompt decode held as ``tokens`` tokens: its positions that carry
+    KV prefill did not hold for it (``Ledger.unowned_reads``)."""
+    ledger = Ledger(ledger_dir)
+    rooms = [e["room"] for e in ledger.of("expose") if e["tokens"] == tokens]
+    found = [ledger.unowned_reads(room) for room in rooms]
+    print(f"\n{tokens}-token prompts: " + "; ".join(
+        f"room {reads[0].room}: positions {reads[0].position}-{reads[-1].position} from rooms "
+        f"{sorted({r.owner for r in reads}, key=str)}" for reads in found if reads))
+    return found
 
 
 @pytest.mark.parametrize("base,backend", core())
-def test_hardened_truncation_with_unequal_limits_is_refused(start_cluster, base, backend):
+def test_hardened_truncation_with_unequal_limits_is_refused(start_cluster, base, backend, tmp_path):
     """H3: the sender fails a transfer that leaves decode pages unwritten; decode refuses a
-    prompt whose length differs from prefill's even within one page. No leak, no 200."""
-    cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **TRUNC_PARAMS, **DEPTH)
+    prompt whose length differs from prefill's even within one page (the ledger shows the
+    three slots of another request reached it). No leak, no 200."""
+    cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **TRUNC_PARAMS,
+                            extra_env=(*DEPTH["extra_env"], f"{writer.DIR_ENV}={tmp_path}"))
     idle = cluster.used_tokens()
     with phase(f"scenario truncation {base} hardened {backend}"):
         v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE,
@@ -98,6 +123,7 @@ def test_hardened_truncation_with_unequal_limits_is_refused(start_cluster, base,
         decode_log = cluster.log_tail("decode", 2000)
         assert "but prefill sends 32" in decode_log and "might be dead" not in decode_log
     assert all(r.status == 500 and "sglang-hardened H3" in r.body for r in replies(v["same_page"])), v["same_page"].replies
+    assert any(reads and reads[0].position == TRUNC_PREFILL_TOKENS for reads in unowned_reads(tmp_path, SAME_PAGE_TOKENS))
     assert all(r.status == 200 for r in replies(v["control"])) and not v["control"].leaked
     assert wait_pages_idle(cluster, idle) == idle
     assert "holds the prompt as 509 tokens" in cluster.log_tail("decode", 2000)

@@ -57,7 +57,6 @@ import sys
 import threading
 import time
 
-import torch
 
 FILE_ENV = "SANDBOX_PAGE_FAULT_FILE"
 FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early", "fail-part-way", "post-rejected")
@@ -158,6 +157,8 @@ def rejecting_post_nixl(req, manager, send):
 def _swap_page(allocator, req_to_token_pool, req, page: int) -> int | None:
     """Give ``req`` a page from the free list in place of its ``page`` and free ``page``;
     the new page, or None when the free list has none."""
+    import torch  # here, not at the top: the sandbox's tool reads this module's names without torch
+
     size = allocator.page_size
     row = req_to_token_pool.req_to_token[req.kv.req_pool_idx, :len(req.origin_input_ids)]
     at = (row // size == page).nonzero().flatten()

@@ -6,8 +6,11 @@ write into it may still land. Off unless ``SANDBOX_LEDGER_DIR`` is set; each
 process appends JSON lines to ``<dir>/<pid>.jsonl``, stamped with
 CLOCK_MONOTONIC (one clock for every process on the host):
 
-- decode ``expose`` {room, pages}: decode sent prefill these page indices for
-  the room; from now on prefill may write into them.
+- decode ``expose`` {room, pages, tokens}: decode sent prefill these page indices for
+  the room; from now on prefill may write into them. Decode will attend to the
+  room's first ``tokens`` positions of them (its prompt).
+- prefill ``owns`` {room, slots, page_size}: as prefill sends a chunk, the token
+  slots holding the room's KV, position by position (its own or a cached prefix's).
 - decode ``free`` {pages}: these pages went back to the free list.
 - prefill ``begin`` {room, w, pages, src} / ``end`` {room, w, rc}: write ``w``
   (a number per process) from prefill pages ``src`` into decode ``pages``
@@ -20,8 +23,13 @@ CLOCK_MONOTONIC (one clock for every process on the host):
   settled (``landed``: an ``end`` with no ``w``, for the room's oldest open
   write).
 - prefill ``srcfree`` {pages}: prefill pages went back to its free list.
+- prefill ``call`` {room, w, entries, bytes, longest, rc}: one Mooncake engine call
+  (``TransferEngine.batch_transfer_sync_write``, below every split SGLang or the
+  hardened layer makes) returned (``rc`` None: it raised); ``longest`` is its longest
+  entry in bytes, and ``room``/``w`` name the KV write it belongs to (None: a call outside
+  one, on another thread or for the aux and state data).
 
-``tests/e2e/ledger.py`` reads the files and reports every decode page freed
+``sglang_hardened/sandbox/ledger.py`` reads the files and reports every decode page freed
 after its exposure and before a write into it for that exposure ended, and
 every prefill page freed while a write was reading it.
 
@@ -52,6 +60,7 @@ _lock = threading.Lock()
 _writes = itertools.count(1)
 _posted: dict[object, tuple[int, int]] = {}  # a NIXL handle not yet settled: (room, w)
 _posted_lock = threading.Lock()
+_sending = threading.local()  # ``current``: the (room, w) this thread's Mooncake write is making
 _exposed_here = False  # a process that exposes pages (decode) records its frees as ``free``
 _sending_here = False  # one that writes into them (prefill) records its own as ``srcfree``
 
@@ -69,11 +78,18 @@ def _ints(indices) -> list[int]:
     return [int(i) for i in (indices.tolist() if hasattr(indices, "tolist") else indices)]
 
 
-def exposed(room, page_indices) -> None:
+def exposed(room, page_indices, tokens: int) -> None:
     """Decode, right before it sends prefill the room's page indices."""
     global _exposed_here
     _exposed_here = True
-    _record("expose", room=int(room), pages=_ints(page_indices))
+    _record("expose", room=int(room), pages=_ints(page_indices), tokens=int(tokens))
+
+
+def owns(room, slots, page_size: int) -> None:
+    """Prefill, as it sends a chunk of the room: the slots of its positions so far."""
+    if not os.environ.get(DIR_ENV):
+        return  # the slots are a tensor: not converted for nothing
+    _record("owns", room=int(room), slots=_ints(slots), page_size=int(page_size))
 
 
 def _freed(pages: set[int]) -> None:
@@ -115,13 +131,37 @@ def writing(req, dst_pages, send):
     """Prefill's Mooncake transfer worker: ``send`` wrapped so the call is recorded (and slowed)."""
     def call(*args, **kwargs):
         room, w = _begin(req, dst_pages, args[SRC_ARG])
+        _watch_calls(sys.modules["mooncake.engine"].TransferEngine)
+        _sending.current = (room, w)
         rc = None
         try:
             rc = send(*args, **kwargs)
             return rc
         finally:
+            _sending.current = (None, None)
             _record("end", room=room, w=w, rc=rc if isinstance(rc, int) else None)
     return call
+
+
+def _watch_calls(engine_class) -> None:
+    """Wrap Mooncake's ``batch_transfer_sync_write`` once, so each engine call is recorded with
+    what it carried, whoever split the transfer into it."""
+    write = engine_class.batch_transfer_sync_write
+    if getattr(write, "_ledger", False):
+        return
+
+    def batch_transfer_sync_write(engine, peer, srcs, dsts, lengths):
+        rc = None
+        try:
+            rc = write(engine, peer, srcs, dsts, lengths)
+            return rc
+        finally:
+            room, w = getattr(_sending, "current", (None, None))
+            _record("call", room=room, w=w, entries=len(lengths), bytes=int(sum(lengths)),
+                    longest=int(max(lengths, default=0)), rc=rc if isinstance(rc, int) else None)
+
+    batch_transfer_sync_write._ledger = True
+    engine_class.batch_transfer_sync_write = batch_transfer_sync_write
 
 
 def posting(req, dst_pages, post):
