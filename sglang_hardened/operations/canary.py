@@ -22,17 +22,14 @@ ok only if some check was judged and every judged check passed.
 from __future__ import annotations
 
 import json
-import random
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
 from ..common.errors import HardenedError
+from .filler import filler, tokens_per_word
 from .oracle import Reply, Verdict, differential_check, generate
 
-# the words every prompt's filler is drawn from; what they cost in tokens is measured first
-WORDS = ("the", "key", "of", "page", "door", "tree", "lamp", "book", "road", "hand", "water", "light", "house", "river")
-CALIBRATION_ROUNDS = 4  # the calibration prompt is WORDS this many times over
 CANARY_HEX = 8  # hex digits of a canary: unique per run, and short enough for an answer to repeat
 
 
@@ -108,24 +105,11 @@ class _Sender:
         return reply
 
 
-def _words(tokens_per_word: float, tokens: int, seed: str) -> str:
-    """About ``tokens`` tokens of WORDS, drawn with ``seed``: the same text for the same seed."""
-    rng = random.Random(seed)
-    return "".join(f" {rng.choice(WORDS)}" for _ in range(max(1, round(tokens / tokens_per_word))))
-
-
-def _tenant_prompt(tokens_per_word: float, tokens: int, tenant: str, canary: str) -> str:
+def _tenant_prompt(per_word: float, tokens: int, tenant: str, canary: str) -> str:
     """The canary first, then filler of the tenant's own (drawn with the canary as seed, so every
     page a leak could expose differs between tenants) and a request to repeat it: a model that
     copies its prompt answers with the canary."""
-    return f"{tenant}'s secret is {canary}.{_words(tokens_per_word, tokens, canary)}. Repeat {tenant}'s secret: "
-
-
-def _prompt_tokens(reply: Reply) -> int:
-    try:
-        return int(json.loads(reply.body)["meta_info"]["prompt_tokens"])
-    except (ValueError, KeyError, TypeError):
-        raise HardenedError(f"calibration request failed (HTTP {reply.status}): {reply.body[:300]}") from None
+    return f"{tenant}'s secret is {canary}.{filler(per_word, tokens, canary)}. Repeat {tenant}'s secret: "
 
 
 def run_canary(url: str, plan: Plan) -> CanaryReport:
@@ -134,13 +118,13 @@ def run_canary(url: str, plan: Plan) -> CanaryReport:
     start = time.monotonic()
     send = _Sender(url.rstrip("/"), plan)
     report = CanaryReport(url)
-    per_word = _prompt_tokens(send(" ".join(WORDS * CALIBRATION_ROUNDS))) / (len(WORDS) * CALIBRATION_ROUNDS)
+    per_word = tokens_per_word(send)
     canaries = {f"tenant-{i}": f"CANARY-{uuid.uuid4().hex[:CANARY_HEX]}" for i in range(plan.tenants)}
     tenant_tokens = max(8, min(plan.pool_tokens, plan.context_length) * 7 // 10)
     histories = {t: [_tenant_prompt(per_word, tenant_tokens, t, c)] * plan.repeats for t, c in canaries.items()}
     # over the pool, and inside the context where the pool is the smaller (the incident's case)
     over_pool = plan.pool_tokens + max(16, (plan.context_length - plan.pool_tokens) // 2)
-    probes = {"over-pool": _words(per_word, over_pool, "probe"), "fitting": _words(per_word, min(64, tenant_tokens), "probe")}
+    probes = {"over-pool": filler(per_word, over_pool, "probe"), "fitting": filler(per_word, min(64, tenant_tokens), "probe")}
     try:
         verdicts = {name: differential_check(send, p, histories, plan.rounds) for name, p in probes.items()}
     except HardenedError as exc:

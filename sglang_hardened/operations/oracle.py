@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Reply:
-    """One /generate answer: status, output token ids (on 200), raw body, latency."""
+    """One /generate answer: status (None: none came), output token ids (on 200), raw body, latency."""
 
-    status: int
+    status: int | None
     output_ids: tuple[int, ...] | None
     body: str
     seconds: float

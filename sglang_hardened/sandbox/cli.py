@@ -1,4 +1,4 @@
-"""``sandbox up|down|status``: the test cluster by hand, one named sandbox at a time."""
+"""``sandbox up|down|status|soak``: the test cluster by hand, one named sandbox at a time."""
 
 from __future__ import annotations
 
@@ -7,14 +7,26 @@ from pathlib import Path
 
 import click
 
+from ..common.errors import HardenedError
 from ..common.paths import cache_dir
+from ..runtime.release_timeout import release_timeout_s
 from .cluster import BACKENDS, LBS, Cluster, ClusterParams, marked_pids, start
 from .env import SandboxError, build_env, default_overlay, wheels_for
 from .model import ensure_model
+from .soak.plan import DEFAULT_MIX, DEFAULT_RATES, FAULTS, SoakPlan
+
+
+def _fmt(shares: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in shares.items())
 
 
 def _state(name: str) -> Path:
     return cache_dir() / "sandbox" / f"{name}.json"
+
+
+def _save(name: str, cluster: Cluster) -> None:
+    _state(name).parent.mkdir(parents=True, exist_ok=True)
+    _state(name).write_text(json.dumps(cluster.to_json(), indent=1))
 
 
 def _load(name: str) -> Cluster | None:
@@ -49,15 +61,19 @@ def sandbox() -> None:
               help="Start the servers through `sglang-hardened launch` (the policy applied; --hardened only).")
 @click.option("--overlay", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="CPU stand-ins dir (default: the checkout's tests/cpu_overlay).")
+@click.option("--instrument", is_flag=True,
+              help="Start with the page ledger and the fault hooks on (what `sandbox soak` needs).")
 def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, lb: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
-       overlay: Path | None) -> None:
+       overlay: Path | None, instrument: bool) -> None:
     """Build the environment if needed and start a cluster.
 
     \b
     Example:
       sglang-hardened sandbox up --base 0.5.23 --hardened --lb smg --prefill-pool-tokens 2048
+      sglang-hardened sandbox up --base 0.5.23 --hardened --instrument --prefill-pool-tokens 1024 \
+        --decode-pool-tokens 2600 --env SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=8
     """
     try:
         old = _load(name)
@@ -68,7 +84,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
                                decode_context_length=decode_context_length,
                                page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                                waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env,
-                               lb=lb, via_launch=via_launch)
+                               lb=lb, via_launch=via_launch, instrument=instrument)
         params.validate()
         if via_launch and (upstream or wheel):
             raise SandboxError("--via-launch needs --hardened: `launch` comes with the hardened build's tool wheel")
@@ -77,8 +93,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
         cluster = start(env, params, ensure_model(env))
     except SandboxError as e:
         raise click.ClickException(str(e)) from e
-    _state(name).parent.mkdir(parents=True, exist_ok=True)
-    _state(name).write_text(json.dumps(cluster.to_json(), indent=1))
+    _save(name, cluster)
     click.echo(f"up in {cluster.startup_s:.0f}s: load balancer {cluster.lb_url}")
 
 
@@ -120,3 +135,57 @@ def status(name: str, as_json: bool) -> None:
     else:
         click.echo(f"sandbox {name!r} {'running' if info['running'] else 'dead'}: "
                    + ", ".join(f"{n} {u}" for n, u in info["urls"].items()))
+
+
+def _pairs(values: tuple[str, ...], what: str) -> dict[str, float]:
+    try:
+        return {name: float(value) for name, value in (v.split("=", 1) for v in values)}
+    except ValueError:
+        raise click.BadParameter(f"{what} entries are NAME=NUMBER, got {', '.join(values)}") from None
+
+
+@sandbox.command()
+@click.option("--name", default="default", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Draws every request and fault.")
+@click.option("--clients", type=int, default=8, show_default=True, help="Concurrent clients.")
+@click.option("--duration", type=float, default=300.0, show_default=True, help="Seconds of traffic.")
+@click.option("--rate", "rates", multiple=True, metavar="FAULT=SHARE",
+              help=f"Share of requests carrying a fault, 0..1 (repeatable; default {_fmt(DEFAULT_RATES)}). "
+                   f"Faults: {', '.join(FAULTS)}.")
+@click.option("--mix", "mix", multiple=True, metavar="KIND=WEIGHT",
+              help=f"Weight of a request kind (repeatable; default {_fmt(DEFAULT_MIX)}).")
+@click.option("--release-timeout", type=float, default=None,
+              help="Decode's deferred-release timeout, s (default: the sandbox's environment, else upstream's).")
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON.")
+def soak(name: str, seed: int, clients: int, duration: float, rates: tuple[str, ...], mix: tuple[str, ...],
+         release_timeout: float | None, as_json: bool) -> None:
+    """Sustained mixed traffic and random faults on an instrumented sandbox, each request judged
+    against the quiet cluster and every page by the ledger. Exits 1 on any violation.
+
+    \b
+    Example:
+      sglang-hardened sandbox soak --seed 7 --duration 120 --rate kill-decode=0 --json
+    """
+    from .soak.faults import RestartFailed  # they read the checkout's overlay: a soak runs from one
+    from .soak.run import run_soak
+
+    cluster = _load(name)
+    environ = dict(kv.split("=", 1) for kv in (cluster.params.extra_env if cluster else ()))
+    plan = SoakPlan(release_timeout or release_timeout_s(environ), seed, clients, duration,
+                    {**DEFAULT_RATES, **_pairs(rates, "--rate")}, {**DEFAULT_MIX, **_pairs(mix, "--mix")},
+                    waiting_timeout_s=cluster.params.waiting_timeout_s if cluster else 0.0)
+    try:
+        plan.validate()
+        if cluster is None or not marked_pids(cluster.run_id):
+            raise SandboxError(f"sandbox {name!r} is not up: `sandbox up --name {name} --instrument ...` first")
+        report = run_soak(cluster, plan, progress=lambda line: click.echo(line, err=True))
+        _save(name, cluster)  # a restarted server has a new pid
+    except RestartFailed as e:
+        cluster.stop()
+        _state(name).unlink()
+        raise click.ClickException(f"{e}\nsandbox {name!r} stopped: nothing of it is left running") from e
+    except (SandboxError, HardenedError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(json.dumps(report.to_json(), indent=1) if as_json else report.table())
+    if not report.ok:
+        raise SystemExit(1)

@@ -21,10 +21,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..common.paths import cache_dir
 from ..operations.oracle import Reply, generate
 from .env import SandboxEnv, SandboxError
+
+if TYPE_CHECKING:  # instruments read the checkout's overlay: only a cluster that asks for them needs it
+    from .instruments import Instruments
 
 MARKER = "SGLANG_HARDENED_SANDBOX"
 BIND_FAILED = "address already in use"
@@ -64,6 +68,7 @@ class ClusterParams:
     lb_port: int = 0
     lb: str = "mini-lb"  # or "hardened": `sglang-hardened lb` from the tool's own environment; or "smg"
     via_launch: bool = False  # servers start through `sglang-hardened launch` (H10's policy), as operators do
+    instrument: bool = False  # the page ledger and fault hooks, switched by files in the run's folder
 
     def validate(self) -> None:
         if self.base not in CUDA_GRAPHS_OFF:
@@ -98,6 +103,15 @@ class Cluster:
     procs: dict[str, Proc] = field(default_factory=dict)
     bootstrap_port: int = 0
     startup_s: float = 0.0
+    envs: dict[str, SandboxEnv] = field(default_factory=dict)  # each server's build: what a restart runs
+
+    @property
+    def instruments(self) -> Instruments | None:
+        if not self.params.instrument:
+            return None
+        from .instruments import Instruments
+
+        return Instruments(self.run_dir / "instruments")
 
     @property
     def lb_url(self) -> str:
@@ -142,24 +156,26 @@ class Cluster:
     def to_json(self) -> dict:
         return {"run_id": self.run_id, "run_dir": str(self.run_dir), "params": asdict(self.params),
                 "bootstrap_port": self.bootstrap_port, "startup_s": round(self.startup_s, 1), "procs": {n: asdict(p) for n, p in self.procs.items()},
+                "envs": {n: {"base": e.base, "python": str(e.python), "path": list(map(str, e.path))} for n, e in self.envs.items()},
                 "urls": {n: p.url for n, p in self.procs.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> Cluster:
         params = ClusterParams(**{**data["params"], "extra_flags": tuple(data["params"]["extra_flags"]),
                                   "extra_env": tuple(data["params"]["extra_env"])})
+        envs = {n: SandboxEnv(e["base"], Path(e["python"]), tuple(map(Path, e["path"]))) for n, e in data["envs"].items()}
         return cls(params, data["run_id"], Path(data["run_dir"]),
-                   {n: Proc(**p) for n, p in data["procs"].items()}, data["bootstrap_port"], data["startup_s"])
+                   {n: Proc(**p) for n, p in data["procs"].items()}, data["bootstrap_port"], data["startup_s"], envs)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM each group, SIGKILL what is left, then any straggler with our marker."""
         for p in self.procs.values():
-            _signal_group(p.pid, signal.SIGTERM)
+            signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and marked_pids(self.run_id):
             time.sleep(0.2)
         for p in self.procs.values():
-            _signal_group(p.pid, signal.SIGKILL)
+            signal_group(p.pid, signal.SIGKILL)
         for pid in marked_pids(self.run_id):
             _signal(pid, signal.SIGKILL)
         for p in self.procs.values():
@@ -169,17 +185,20 @@ class Cluster:
         while time.monotonic() < deadline and (marked_pids(self.run_id) or self.held_ports()):
             time.sleep(0.2)
 
-    def restart(self, name: str, env: SandboxEnv, deadline_s: float = 180.0) -> None:
+    def restart(self, name: str, env: SandboxEnv | None = None, deadline_s: float = 180.0) -> None:
         """Kill server ``name`` (if anything of it is left) and start it again on the same
-        ports, as an orchestrator replaces a crashed pod; return once it is healthy."""
+        ports (from ``env``, by default the build it ran), as an orchestrator replaces a
+        crashed pod; return once it is healthy."""
+        env = env or self.envs[name]
         proc = self.procs[name]
-        _signal_group(proc.pid, signal.SIGKILL)
+        signal_group(proc.pid, signal.SIGKILL)
         _reap(proc.pid)
         ports = [proc.port] + ([self.bootstrap_port] if name == "prefill" else [])
         deadline = time.monotonic() + 30
         while any(port_in_use(p) for p in ports) and time.monotonic() < deadline:
             time.sleep(0.2)
-        pid, log = _spawn(name, proc.cmd, _child_env(env, self.params, self.run_id), self.run_dir, append=True)
+        pid, log = _spawn(name, proc.cmd, _child_env(env, self.params, self.run_id, self.instruments), self.run_dir,
+                          append=True)
         self.procs[name] = Proc(name, pid, log, proc.url, proc.port, proc.cmd)
         _wait(self, [name], time.monotonic() + deadline_s, _healthy)
 
@@ -188,7 +207,7 @@ class Cluster:
         return [port for port in ports if port and port_in_use(port)]
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def signal_group(pid: int, sig: int) -> None:
     try:
         os.killpg(pid, sig)  # each child leads its own group (start_new_session)
     except (ProcessLookupError, PermissionError):
@@ -288,7 +307,7 @@ def _server_cmd(env: SandboxEnv, p: ClusterParams, model: Path, role: str, port:
     return cmd + list(p.extra_flags)
 
 
-def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str) -> dict[str, str]:
+def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instruments | None = None) -> dict[str, str]:
     e = env.environ()
     e.update({
         MARKER: run_id,
@@ -306,7 +325,7 @@ def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str) -> dict[str, str]
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     })
-    e.update(kv.split("=", 1) for kv in p.extra_env)
+    e.update(kv.split("=", 1) for kv in (*(instruments.env() if instruments else ()), *p.extra_env))
     return e
 
 
@@ -373,13 +392,15 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
     run_dir = cache_dir() / "runs" / run_id
     run_dir.mkdir(parents=True)
     pp, bp, dp, lp = _ports([params.prefill_port, 0, params.decode_port, params.lb_port])
-    cluster = Cluster(params, run_id, run_dir, bootstrap_port=bp)
+    cluster = Cluster(params, run_id, run_dir, bootstrap_port=bp, envs=role_envs)
+    if cluster.instruments:
+        cluster.instruments.prepare()
     try:
         for role, port in (("prefill", pp), ("decode", dp)):
             cmd = _server_cmd(role_envs[role], params, model, role, port)
             if role == "prefill":
                 cmd += ["--disaggregation-bootstrap-port", str(bp)]
-            pid, log = _spawn(role, cmd, _child_env(role_envs[role], params, run_id), run_dir)
+            pid, log = _spawn(role, cmd, _child_env(role_envs[role], params, run_id, cluster.instruments), run_dir)
             cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port, cmd)
         # mini-lb reaches the servers only per request, so it loads (it imports sglang) beside them;
         # ours and smg check their health at start (smg asks again only 30 s later), so they start

@@ -1,17 +1,17 @@
 """One request caught mid-transfer: sent to both roles as a load balancer does, returned
-once prefill's slowed write call into decode has begun (tests/e2e/ledger.py)."""
+once prefill's slowed write call into decode has begun (sglang_hardened/sandbox/ledger.py)."""
 
 from __future__ import annotations
 
 import http.client
-import json
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .ledger import wait_for, writer
+from sglang_hardened.sandbox.ledger import wait_for, writer
+from sglang_hardened.sandbox.soak import faults
+
 from .scenarios import SLOW_PROMPT, bootstrap_fields, post
 
 
@@ -69,6 +69,4 @@ def send_mid_transfer(cluster, folder: Path, rid: str, slow_switch: Path | None 
 
 def abort_request(cluster, role: str, rid: str) -> None:
     """``POST /abort_request`` for ``rid`` to one role."""
-    abort = urllib.request.Request(f"{cluster.procs[role].url}/abort_request", data=json.dumps({"rid": rid}).encode(),
-                                   headers={"content-type": "application/json"})
-    urllib.request.urlopen(abort, timeout=30).close()
+    faults.abort_request(cluster.procs[role].url, rid)

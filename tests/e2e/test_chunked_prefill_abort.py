@@ -18,8 +18,9 @@ import uuid
 
 import pytest
 
+from sglang_hardened.sandbox.ledger import Ledger, ledger_env, wait_for, writer
+
 from .conftest import launch, sandbox_env
-from .ledger import Ledger, ledger_env, wait_for, writer
 from .scenarios import SAFE_PARAMS, bootstrap_fields, core, post, prompt_of, upstream_only, wait_pages_idle
 
 pytestmark = pytest.mark.e2e

@@ -25,22 +25,22 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from sglang_hardened.operations.oracle import generate
 from sglang_hardened.runtime.source_hold import HOLD_TIMEOUTS
 from sglang_hardened.sandbox.cluster import Cluster
 from sglang_hardened.sandbox.env import SandboxEnv
-from tests.conftest import overlay_module
+from sglang_hardened.sandbox.instruments import SLOW_S, Instruments
+from sglang_hardened.sandbox.ledger import Ledger, wait_for
+from sglang_hardened.sandbox.soak.plan import SoakPlan
+from sglang_hardened.sandbox.soak.run import run_soak
 
 from .conftest import TIMINGS, launch, restart, sandbox_env
 from .inflight import Answer, InFlight, abort_request, send_mid_transfer
-from .ledger import Ledger, ledger_env, wait_for, writer
 from .scenarios import (FITTING_C, FULL_MATRIX, SAFE_PARAMS, SLOW_PROMPT, core, hang_up, observe_probes,
                         wait_pages_idle)
 
 pytestmark = pytest.mark.e2e
 
-FAULT_FILE_ENV = overlay_module("sgl_faults").FILE_ENV
-
-SLOW_S = 6.0  # the caught request's write call waits this long before it writes
 RELEASE_TIMEOUT_S = 8  # decode's deferred-release timeout here (upstream's default is 30 s)
 HEARTBEAT = ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL=2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE=2")
 PROBE_S = 2  # prefill probes a blacklisted Mooncake session this often (where the probe is on)
@@ -107,10 +107,20 @@ class FaultCluster:
     build: Build
     env: SandboxEnv
     cluster: Cluster
-    ledger_dir: Path
+    instruments: Instruments
     idle: dict[str, int]
-    slow_switch: Path  # SANDBOX_SLOW_SWITCH: while it exists, a write call is slowed
-    fault_file: Path  # SANDBOX_PAGE_FAULT_FILE: the injected fault it names hits transfers
+
+    @property
+    def ledger_dir(self) -> Path:
+        return self.instruments.ledger_dir
+
+    @property
+    def slow_switch(self) -> Path:
+        return self.instruments.slow_switch
+
+    @property
+    def fault_file(self) -> Path:
+        return self.instruments.fault_file
 
     @property
     def hardened(self) -> bool:
@@ -159,16 +169,13 @@ def fc(request, tmp_path_factory):
     alive beside the next one slowed that one's start 3-6 times on 2 cores."""
     build: Build = request.param
     env = sandbox_env(build.base, hardened=build.hardened)
-    folder = tmp_path_factory.mktemp("ledger")
-    switch, fault = folder.parent / f"{folder.name}.slow", folder.parent / f"{folder.name}.fault"
-    fault.write_text("")
+    instruments = Instruments(tmp_path_factory.mktemp("instruments")).prepare()
     cluster = launch(env, backend=build.backend, **PARAMS, extra_env=(
-        *ledger_env(folder, SLOW_S),
-        f"{writer.SLOW_SWITCH_ENV}={switch}", f"{FAULT_FILE_ENV}={fault}", *HEARTBEAT,
+        *instruments.env(), *HEARTBEAT,
         f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
         f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}",
         *(UCX_BETWEEN_HOSTS if build.between_hosts else ())))
-    yield FaultCluster(build, env, cluster, folder, cluster.used_tokens(), switch, fault)
+    yield FaultCluster(build, env, cluster, instruments, cluster.used_tokens())
     cluster.stop()
 
 
@@ -391,6 +398,39 @@ def test_post_rejected_with_writes_on_the_wire(fc):
         assert unsafe, "upstream 0.5.20-0.5.22 kept the pages until the rejected post's writes landed"
 
 
+@on(REJECT_BUILDS)
+def test_post_rejected_keeps_prefill_pages_until_its_writes_land(fc):
+    """The same rejected post, then another tenant's prompt that needs the pages. The half on
+    the wire still reads the caught request's prefill pages: upstream releases them at once, and
+    so did hardened builds before the soak found it (the room's count, which the source hold
+    reads, is cleared once the worker hands the writes to ``nixl_drain``'s watcher); the hold
+    now lasts while the watcher holds the room."""
+    fc.fault_file.write_text("post-rejected")
+    try:
+        req = fc.catch_mid_transfer()
+        req.read_answers(120)
+        rejected = f"SANDBOX PAGE FAULT post-rejected: room {req.room}"
+        deadline = time.monotonic() + SLOW_S + 30
+        while rejected not in fc.cluster.log_tail("prefill", 400) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        fc.fault_file.write_text("")
+    assert rejected in fc.cluster.log_tail("prefill", 400), "the post was never rejected: nothing to judge"
+    other = fc.cluster.generate(PAGE_HUNGRY, max_new_tokens=1, timeout=SLOW_S + 60)
+    wait_for(fc.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
+    assert other.status == 200, other
+    if req.answer("decode", timeout_s=TOLD_WITHIN_S + 10).status is None:
+        fc.abort("decode", req.rid)  # 0.5.19 never tells decode: what the client's hang-up would do
+    assert wait_pages_idle(fc.cluster, fc.idle, timeout_s=RELEASE_TIMEOUT_S * 3 + 30) == fc.idle, "pages leaked"
+    unsafe = [u for u in Ledger(fc.ledger_dir).unsafe_source_frees() if u.room == req.room]
+    print(f"\npost rejected, then a page-hungry prompt {fc.name}: {len(unsafe)} prefill pages freed while "
+          "the half on the wire read them")
+    if fc.hardened:
+        assert not unsafe, "\n".join(map(str, unsafe[:5]))
+    else:
+        assert unsafe, "upstream kept the prefill pages until the half on the wire landed"
+
+
 @on(BUILDS)
 def test_decode_killed_mid_transfer(fc):
     """SIGKILL decode mid-write: prefill's write into the dead peer fails, prefill answers
@@ -434,3 +474,39 @@ def test_next_requests_read_only_their_own_pages(fc):
     assert all(r.status == 200 for rs in verdict.replies.values() for r in rs), verdict
     if fc.hardened:
         assert not verdict.leaked, verdict
+
+
+# The chaos soak (sglang_hardened/sandbox/soak) on this module's clusters, after every fault
+# above: the default request mix (n = 2 included: H11) with aborts, stops and part-way failures
+# landing at random moments; no kills (the tests above restart each role; a restart is the
+# costliest fault). CI: both builds of 0.5.23 on Mooncake (hardened about 40 s, upstream about
+# 110 s: its hung requests run out the bound, its held pages the settling time); the full
+# matrix: every core pair on Mooncake; docs/soak.md: the long runs. Its bound is the release
+# timeout's (34 s), not these clusters' 300 s waiting timeout: no kill, so no handshake to wait out.
+SOAK = SoakPlan(RELEASE_TIMEOUT_S, seed=11, clients=4, duration_s=30.0,
+                rates={"disconnect": 0.05, "abort-prefill": 0.08, "abort-decode": 0.04, "stop-prefill": 0.04,
+                       "stop-decode": 0.03, "fail-part-way": 0.04})
+N2_WAIT_S = 10  # a hardened server refuses n = 2 at once; upstream has not answered by then (nor ever)
+SOAK_BUILDS = [b for b in BUILDS if b.backend == "mooncake" and (FULL_MATRIX or b.base == "0.5.23")]
+
+
+@on(SOAK_BUILDS)
+def test_a_short_soak_judges_every_request_and_page(fc):
+    """Hardened: every request ends with the quiet cluster's output or a named error within the
+    bound, and the ledger sees no page freed under a write. Upstream: the soak finds violations."""
+    report = run_soak(fc.cluster, SOAK, restart=lambda role: restart(fc.cluster, role, fc.env),
+                      progress=print, instruments=fc.instruments)
+    print(f"\n{report.table()}")
+    assert len(report.outcomes) >= 10 and sum(f.landed for f in report.faults) >= 3, "too little to judge"
+    assert report.ok == fc.hardened, report.table()  # upstream 0.5.23: aborted and n = 2 requests hang, pages held
+    # H11: what the soak drew of n = 2, and one more for certain: hardened refuses it naming the
+    # cause; upstream leaves it unanswered (docs/soak.md: for ever, its decode pages held)
+    n2 = [o for o in report.outcomes if o.step.kind == "n2" and o.verdict != "hung-up"]
+    assert not fc.hardened or all(o.status == 400 and "H11" in o.detail for o in n2), n2
+    try:
+        two = generate(fc.cluster.lb_url, FITTING_C, extra={"sampling_params": {"temperature": 0.0, "n": 2}},
+                       timeout=N2_WAIT_S)
+    except TimeoutError:
+        assert not fc.hardened, f"no answer to n = 2 in {N2_WAIT_S} s"
+    else:
+        assert fc.hardened and two.status == 400 and "H11" in two.body, two

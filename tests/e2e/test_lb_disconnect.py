@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from sglang_hardened.sandbox.cluster import Cluster
+from sglang_hardened.sandbox.ledger import Ledger, ledger_env, wait_for, writer
 
 from tests.conftest import phase
 
 from .conftest import launch, sandbox_env
-from .ledger import Ledger, ledger_env, wait_for, writer
 from .scenarios import SAFE_PARAMS, SLOW_PROMPT, hang_up, post, wait_pages_idle
 
 pytestmark = pytest.mark.e2e

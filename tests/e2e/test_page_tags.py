@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from sglang_hardened.runtime.page_tags import FAIL_CLOSED_ENV
-from tests.conftest import overlay_module, phase
+from sglang_hardened.sandbox.env import overlay_module
+from tests.conftest import phase
 
 from .conftest import sandbox_env
 from .scenarios import (

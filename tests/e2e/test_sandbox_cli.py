@@ -1,4 +1,5 @@
-"""`sandbox up|status|down` as a user runs it: detached cluster, JSON status, clean stop."""
+"""`sandbox up|status|soak|down` as a user runs it: detached cluster, JSON status, a soak that
+kills and restarts a server (its new pid kept for the next command), clean stop."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from sglang_hardened.operations.oracle import generate
 from sglang_hardened.sandbox.cluster import marked_pids, port_in_use
-from tests.conftest import CLUSTER_START, REPO, phase
+from sglang_hardened.sandbox.soak.plan import FAULTS
+from tests.conftest import CLUSTER_START, REPO, SERVER_RESTART, phase
 
 pytestmark = pytest.mark.e2e
 CLI = [sys.executable, "-c", "from sglang_hardened.sandbox.cli import sandbox; sandbox()"]
@@ -24,7 +26,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_sandbox_up_status_down():
     with phase(f"{CLUSTER_START} 0.5.23 mooncake (sandbox up)"):
         up = cli("up", "--base", "0.5.23", "--prefill-pool-tokens", "300", "--page-size", "4",
-                 "--waiting-timeout", "30")
+                 "--waiting-timeout", "30", "--instrument",
+                 "--env", "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=4")
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         info = json.loads(cli("status", "--json").stdout)
@@ -34,6 +37,18 @@ def test_sandbox_up_status_down():
         assert generate(info["urls"]["lb"], "the key", max_new_tokens=2).status == 200
         with urllib.request.urlopen(f"{info['urls']['prefill']}/health", timeout=10) as r:
             assert r.status == 200
+        # every request's fault is a decode kill: the first lands, the rest wait their turn
+        no_other = [arg for name in FAULTS if name != "kill-decode" for arg in ("--rate", f"{name}=0")]
+        with phase(f"{SERVER_RESTART} decode 0.5.23 mooncake (sandbox soak)"):
+            soak = cli("soak", "--duration", "5", "--clients", "2", "--rate", "kill-decode=1", *no_other,
+                       "--mix", "over-pool=0", "--json")  # this pool < context: upstream queues it past the bound
+        assert soak.returncode in (0, 1) and soak.stdout.startswith("{"), soak.stderr
+        report = json.loads(soak.stdout)
+        assert soak.returncode == (0 if report["ok"] else 1) and report["faults"]["kill-decode"]["landed"] == 1, report
+        after = json.loads(cli("status", "--json").stdout)
+        assert after["running"] and after["procs"]["decode"]["pid"] != info["procs"]["decode"]["pid"]
+        assert generate(after["urls"]["lb"], "the key", max_new_tokens=2).status == 200
+        info = after
     finally:
         down = cli("down")
     assert down.returncode == 0, down.stderr

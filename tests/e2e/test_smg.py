@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from sglang_hardened.sandbox.cluster import Cluster
+from sglang_hardened.sandbox.ledger import Ledger, ledger_env, wait_for, writer
 
 from tests.conftest import phase
 
 from .conftest import record_timing, sandbox_env
-from .ledger import Ledger, ledger_env, wait_for, writer
 from .scenarios import (
     DEPTH,
     FULL_MATRIX,

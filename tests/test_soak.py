@@ -1,0 +1,194 @@
+"""The soak's parts that need no cluster: its plan (reproducible, and refusing bad rates and
+names), its judge (each verdict), its report, its read of the growing ledger, and its
+command's bad input. tests/e2e/test_fault_matrix.py runs it on real clusters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from sglang_hardened.common.paths import CACHE_ENV
+from sglang_hardened.sandbox.cluster import Cluster, ClusterParams, Proc
+from sglang_hardened.sandbox.env import SandboxError
+from sglang_hardened.sandbox.soak.catalogue import Catalogue, Expected, Prompt, fitting_lengths
+from sglang_hardened.sandbox.soak.faults import Injector, RestartFailed, _OpenWrites
+from sglang_hardened.sandbox.soak.judge import judge, names_a_cause
+from sglang_hardened.sandbox.soak.plan import FAULTS, SoakPlan, Step
+from sglang_hardened.sandbox.soak.report import SoakReport
+from sglang_hardened.sandbox.soak.traffic import Sent, body_of
+
+PLAN = SoakPlan(release_timeout_s=8.0, seed=3)
+FIT = [Prompt("a b c", 3, 4), Prompt("d e f g", 4, 5)]
+CAT = Catalogue(FIT, [Prompt("long " * 300, 300, 4)], [Prompt("longer " * 900, 900, 4)],
+                {"a b c": Expected(200, (1, 2, 3, 4)), "d e f g": Expected(200, (5, 6, 7, 8, 9)),
+                 "long " * 300: Expected(400, None), "longer " * 900: Expected(400, None)})
+
+
+def _step(kind: str, fault: str | None = None, prompt: int = 0, variant: int = 1) -> Step:
+    return Step(0, 0, kind, prompt, fault, 0.5, 4.0, variant)
+
+
+def _sent(status: int | None, outputs=None, body: str = "", seconds: float = 1.0, hung_up: bool = False) -> Sent:
+    return Sent(status, outputs, body, 0.0, seconds, hung_up)
+
+
+def test_a_seed_draws_the_same_schedule_and_another_seed_a_different_one():
+    again = SoakPlan(release_timeout_s=8.0, seed=3)
+    steps = [PLAN.step(c, i) for c in range(4) for i in range(50)]
+    assert steps == [again.step(c, i) for c in range(4) for i in range(50)]
+    assert steps != [replace(PLAN, seed=4).step(c, i) for c in range(4) for i in range(50)]
+
+
+def test_rates_are_shares_of_requests_and_every_fault_and_kind_is_drawn():
+    plan = SoakPlan(release_timeout_s=8.0, rates={name: 0.1 for name in FAULTS})
+    steps = [plan.step(c, i) for c in range(8) for i in range(500)]
+    for name in FAULTS:
+        share = sum(s.fault == name for s in steps) / len(steps)
+        assert 0.08 < share < 0.12, (name, share)
+    assert {s.kind for s in steps} == set(plan.mix)
+    aborts = [s for s in steps if s.fault and s.fault.startswith("abort")]
+    assert {s.kind for s in aborts} <= {"fits", "stream", "over-pool", "over-limit"}  # an abort names one rid
+    stops = [s.stop_s / plan.release_timeout_s for s in steps if s.fault == "stop-decode"]
+    assert min(stops) < 0.6 and max(stops) > 1.3  # below and above the release timeout
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(rates={"reboot": 0.1}), "unknown fault reboot"),
+    (dict(rates={"kill-decode": 1.5}), "0..1: kill-decode=1.5"),
+    (dict(rates={"kill-decode": -0.1}), "0..1"),
+    (dict(rates={"kill-decode": 0.6, "stop-decode": 0.6}), "sum to 1.2"),
+    (dict(mix={"poem": 1.0}), "unknown request kind poem"),
+    (dict(clients=0), "at least one client"),
+])
+def test_bad_plans_are_refused_naming_the_cause(change, says):
+    with pytest.raises(SandboxError, match=says):
+        replace(PLAN, **change).validate()
+
+
+def test_fitting_lengths_straddle_pages_and_chunks_and_stay_inside_every_limit():
+    p = ClusterParams(base="0.5.23", prefill_pool_tokens=1024, context_length=1024, page_size=16, chunked_prefill_size=256)
+    lengths = fitting_lengths(p)
+    assert {15, 16, 17, 255, 256, 257} <= set(lengths)
+    assert max(lengths) < 1024 - 16
+
+
+@pytest.mark.parametrize("step, sent, calm_at, verdict", [
+    (_step("fits"), _sent(200, ((1, 2, 3, 4),)), None, "ok"),
+    (_step("fits"), _sent(200, ((1, 2, 3, 5),)), 0.5, "wrong-output"),  # a fault may fail a request, not make it lie
+    (_step("n2"), _sent(200, ((1, 2, 3, 4), (1, 2, 3, 4))), None, "ok"),
+    (_step("n2"), _sent(200, ((1, 2, 3, 4),)), None, "wrong-output"),
+    (_step("batch"), _sent(200, ((1, 2, 3, 4), (5, 6, 7, 8, 9))), None, "ok"),
+    (_step("over-pool"), _sent(200, ((1,),)), None, "answered-over-limit"),
+    (_step("over-limit"), _sent(400, body='{"error": {"message": "longer than the context"}}'), None, "refused"),
+    (_step("fits"), _sent(500, body='{"error": {"message": "KV transfer failed"}}'), None, "failed"),
+    (_step("fits"), _sent(500, body="Internal Server Error"), None, "unnamed-error"),
+    (_step("fits"), _sent(500, body="Internal Server Error"), 0.5, "failed"),
+    (_step("fits"), _sent(None, body="the stream ended before [DONE]"), None, "broken-answer"),
+    (_step("fits"), _sent(None, body="connection failed"), 0.5, "failed"),
+    (_step("fits"), _sent(200, ((1, 2, 3, 4),), seconds=99.0), None, "hang"),
+    (_step("fits"), _sent(200, ((1, 2, 3, 4),), seconds=60.0), 30.0, "ok"),  # stacked stops: the bound runs from the last
+    (_step("fits"), _sent(None, body="no answer", seconds=80.0), 30.0, "hang"),
+    (_step("fits", "disconnect"), _sent(None, hung_up=True), None, "hung-up"),
+    (_step("malformed"), _sent(422, body='{"detail": [{"msg": "JSON decode error"}]}'), None, "refused"),
+    (_step("malformed"), _sent(500, body='{"error": "boom"}'), None, "bad-input-5xx"),
+    (_step("malformed"), _sent(200, body="{}"), None, "wrong-output"),
+])
+def test_each_verdict(step, sent, calm_at, verdict):
+    assert judge(step, sent, CAT, PLAN.bound_s, calm_at).verdict == verdict
+
+
+def test_an_error_names_its_cause_only_beyond_its_status_line():
+    assert names_a_cause('{"error": {"message": "The input (6600 tokens) is longer"}}')
+    assert names_a_cause("upstream prefill refused: pool too small")
+    assert not names_a_cause("Internal Server Error")
+    assert not names_a_cause('{"error": ""}')
+
+
+def test_request_bodies_per_kind():
+    assert json.loads(body_of(_step("stream"), CAT, "r1")) == {
+        "text": "a b c", "sampling_params": {"temperature": 0.0, "max_new_tokens": 4}, "stream": True, "rid": "r1"}
+    assert "rid" not in json.loads(body_of(_step("n2"), CAT, "r1"))
+    assert json.loads(body_of(_step("batch"), CAT, "r1"))["text"] == ["a b c", "d e f g"]
+    with pytest.raises(ValueError):
+        json.loads(body_of(_step("malformed", variant=2), CAT, "r1"))
+
+
+def test_the_report_counts_and_names_each_violation():
+    report = SoakReport({"base": "0.5.23", "backend": "mooncake", "lb": "mini-lb"}, 3, bound_s=PLAN.bound_s)
+    report.outcomes = [judge(_step("fits"), _sent(200, ((1, 2, 3, 4),)), CAT, PLAN.bound_s),
+                       judge(_step("over-pool"), _sent(200, ((1,),)), CAT, PLAN.bound_s)]
+    report.end_violations = [("page-freed-under-write", "room 7: page 3 freed while its write was in flight")]
+    data = report.to_json()
+    assert not report.ok and data["outcomes"] == {"ok": 1}
+    assert {k: v["count"] for k, v in data["violations"].items()} == {"answered-over-limit": 1, "page-freed-under-write": 1}
+    assert "2 violations" in report.table().splitlines()[0]
+
+
+def test_the_ledger_is_read_as_it_grows(tmp_path):
+    ledger = _OpenWrites(tmp_path)
+    assert not ledger.any()
+    (tmp_path / "11.jsonl").write_text(json.dumps({"t": 1.0, "ev": "begin", "room": 5, "w": 1, "pages": [1]}) + "\n"
+                                       + '{"t": 2.0, "ev": "en')  # a line still being written
+    assert ledger.any()
+    with (tmp_path / "11.jsonl").open("a") as f:
+        f.write('d", "room": 5, "w": 1}\n')
+    assert not ledger.any()
+
+
+def test_a_server_that_will_not_restart_stops_the_soak_with_its_reason(tmp_path):
+    """A real process group stands in for the killed server; its restart fails."""
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    params = ClusterParams(base="0.5.23", instrument=True)
+    cluster = Cluster(params, "t", tmp_path, {r: Proc(r, server.pid if r == "decode" else 0, "", "", 0)
+                                              for r in ("prefill", "decode")})
+    cluster.instruments.prepare()
+
+    def restart(role: str) -> None:
+        raise SandboxError(f"{role} exited during start-up")
+
+    injector = Injector(cluster, replace(PLAN, release_timeout_s=0.1), restart, cluster.instruments)
+    injector.fire(Step(0, 0, "fits", 0, "kill-decode", 0.0, 0.0, 0), "r1")
+    injector.finish(30)
+    assert server.wait(10) == -signal.SIGKILL
+    assert isinstance(injector.error, RestartFailed) and "decode would not restart" in str(injector.error)
+    assert str(server.pid) in injector.killed
+
+
+def test_an_uninstrumented_cluster_is_refused(tmp_path):
+    with pytest.raises(SandboxError, match="--instrument"):
+        Injector(Cluster(ClusterParams(base="0.5.23"), "t", tmp_path), PLAN, lambda role: None, None)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--rate", "reboot=0.1"], "unknown fault reboot"),
+    (["--rate", "kill-decode=2"], "0..1"),
+    (["--rate", "kill-decode"], "NAME=NUMBER"),
+    ([], "is not up"),
+])
+def test_the_command_refuses_bad_input_with_its_cause(args, says, tmp_path):
+    env = {**os.environ, CACHE_ENV: str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "sglang_hardened", "sandbox", "soak", "--name", "nowhere", *args],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode != 0 and says in run.stderr, run.stderr
+
+
+def test_a_waiting_client_gives_up_when_told_and_not_before():
+    """A real socket that never answers: the client stops waiting when ``give_up`` says so."""
+    import socket
+    import time
+
+    from sglang_hardened.sandbox.soak.traffic import send
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        started = time.monotonic()
+        sent = send(f"http://127.0.0.1:{server.getsockname()[1]}", _step("fits"), CAT, "r1", 30.0, None,
+                    give_up=lambda sent_at: time.monotonic() - sent_at > 1.0)
+    assert sent.status is None and "gave up" in sent.body and 1.0 <= time.monotonic() - started < 5.0
