@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from sglang_hardened.operations.oracle import generate
 from sglang_hardened.sandbox.env import SandboxError
 from sglang_hardened.sandbox.ledger import Ledger, writer
 from tests.conftest import phase
@@ -46,17 +47,22 @@ from .scenarios import (
 pytestmark = pytest.mark.e2e
 
 PREFILL_LIMIT_MESSAGE = "exceeds the maximum allowed length (250 tokens)"
+WRONG_TYPE = {"sampling_params": {"temperature": "hot", "max_new_tokens": 4}}  # H12
 
 
 @pytest.mark.parametrize("base,backend", core())
 def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
     """H1/H4: an over-limit prompt gets prefill's 400 at once through mini-lb, from prefill's
-    own message; the longest accepted prompt and a chunked one are served and history-free."""
+    own message; the longest accepted prompt and a chunked one are served and history-free.
+    H12: a sampling parameter of the wrong type gets a 400 naming it (0.5.22's schema gate on
+    0.5.22+, H12 before)."""
     cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **BOUNDARY_PARAMS, **DEPTH)
     idle = cluster.used_tokens()
     with phase(f"scenario boundaries {base} hardened {backend}"):
         v = observe_probes(cluster, {"oversized": OVERSIZED_B, "over_limit": OVER_LIMIT,
                                      "at_limit": AT_LIMIT, "chunked": CHUNKED, "control": FITTING_C})
+        malformed = generate(cluster.lb_url, FITTING_C, extra=WRONG_TYPE, timeout=60)
+    assert malformed.status == 400 and "temperature" in malformed.body, malformed
     for name in ("oversized", "over_limit"):
         for r in replies(v[name]):
             record_timing(f"{name} via mini-lb", base, backend, "hardened", r)
@@ -160,6 +166,15 @@ def test_0519_h1_keeps_a_failed_intake_from_transfer(start_cluster, tmp_path, bu
         assert not written, written
         assert at_prefill.status == 400 and PREFILL_LIMIT_MESSAGE in at_prefill.body, at_prefill
         assert at_decode.status >= 400, at_decode  # without H4, after decode's waiting timeout
+
+
+def test_upstream_0519_answers_a_sampling_parameter_of_the_wrong_type_with_a_bare_500(start_cluster):
+    """H12's hole (0.5.19-0.5.21; found by the soak): the parameters' ``TypeError`` escapes the
+    generate route, and the client learns nothing of the cause. Cost: one cluster start."""
+    cluster = start_cluster(sandbox_env("0.5.19"))
+    malformed = generate(cluster.lb_url, FITTING_C, extra=WRONG_TYPE, timeout=60)
+    assert malformed.status == 500 and "temperature" not in malformed.body, malformed
+    assert cluster.generate(FITTING_C).status == 200, "the server lives on"
 
 
 def test_hardened_0519_h2_alone_reports_the_pending_400(start_cluster):
