@@ -124,10 +124,6 @@ def shows_nothing_decoded(verdict: Verdict) -> bool:
     return all(r.status != 200 and '"output_ids"' not in r.body and '"text"' not in r.body for r in replies(verdict))
 
 
-def prompt_tokens(reply: Reply) -> int:
-    return json.loads(reply.body)["meta_info"]["prompt_tokens"]
-
-
 def before_decode_gives_up(cluster: Cluster, reply: Reply) -> bool:
     """The client had its answer well inside decode's waiting timeout (half of it), where
     upstream answers only once that timeout has run: an order tied to the configuration,

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from sglang_hardened.operations.filler import prompt_tokens
 from sglang_hardened.operations.oracle import generate
 from sglang_hardened.sandbox.env import SandboxError
 from sglang_hardened.sandbox.ledger import Ledger, writer
@@ -38,7 +39,6 @@ from .scenarios import (
     observe_oversized_via_lb,
     observe_pair,
     observe_probes,
-    prompt_tokens,
     replies,
     shows_nothing_decoded,
     wait_pages_idle,
