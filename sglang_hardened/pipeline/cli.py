@@ -150,3 +150,42 @@ def upstream_check() -> None:
 
     newer = newer_releases(patches_dir())
     click.echo("\n".join(newer) if newer else "no release newer than the newest supported base")
+
+
+@upstream.command("prs")
+@click.option("--base", required=True, help="The series whose Bug: pull requests are looked up.")
+@click.option("--release", required=True, help="The release to look for them in, e.g. 0.5.24.")
+def upstream_prs(base: str, release: str) -> None:
+    """Say, as markdown, whether RELEASE contains each upstream pull request a patch stands in for.
+
+    Asks GitHub through `gh` (GH_TOKEN). Prints nothing when no patch names one.
+
+    \b
+    Example:
+      sglang-hardened upstream prs --base 0.5.23 --release 0.5.24 >> rebase-report.md
+    """
+    from .publish import pr_table, run_command, upstream_prs as find_prs
+
+    click.echo(pr_table(find_prs(patches_dir(), base), release, run_command), nl=False)
+
+
+@upstream.command("publish")
+@click.option("--outcome", required=True, type=click.Choice(["carried", "needs-human"]),
+              help="carried: push a branch and open its pull request; needs-human: open or update the job's issue.")
+@click.option("--release", required=True, help="The release carried, or the one that needs a human.")
+@click.option("--report", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The job's markdown report: the pull request's or issue's description.")
+@click.option("--rejects", type=click.Path(path_type=Path), default=Path("rebase-rejects"), show_default=True,
+              help="needs-human: the folder of RELEASE's three-way merges (rebase --rejects).")
+def upstream_publish(outcome: str, release: str, report: Path, rejects: Path) -> None:
+    """Tell the maintainers on GitHub what the rebase job found, through `git` and `gh`.
+
+    \b
+    Example:
+      sglang-hardened upstream publish --outcome carried --release 0.5.24 --report rebase-report.md
+    """
+    from .publish import publish_carried, publish_needs_human, run_command
+
+    text = report.read_text()
+    click.echo(publish_carried(release, text, patches_dir(), run_command) if outcome == "carried"
+               else publish_needs_human(release, text, rejects / release, run_command))
