@@ -36,7 +36,7 @@ H6P = "0022-h6-backport-failed-session-probe-default-on.patch"
 H5D = "0023-h5-nixl-drain-ack-after-writes-settle.patch"
 # The backport of 0.5.23's rejected-post rule (0.5.20-0.5.22), on top of 0023's import.
 H5R = "0024-h5-backport-nixl-rejected-post.patch"
-# H11: parallel sampling (n > 1) refused in PD, seamed where the scheduler admits a request.
+# H11: parallel sampling (n > 1) refused in PD, seamed where the tokenizer manager expands the samples.
 H11 = "0030-h11-refuse-parallel-sampling-in-pd.patch"
 # H12 (0.5.19-0.5.21): sampling parameters that do not build refused with 400, in the same file.
 H12 = "0031-h12-refuse-sampling-params-that-do-not-build.patch"

@@ -510,3 +510,9 @@ def test_a_short_soak_judges_every_request_and_page(fc):
         assert not fc.hardened, f"no answer to n = 2 in {N2_WAIT_S} s"
     else:
         assert fc.hardened and two.status == 400 and "H11" in two.body, two
+    # H12: 0.5.22's schema gate lets "n": null through, and upstream's normalize compares it
+    null_n = generate(fc.cluster.lb_url, FITTING_C, extra={"sampling_params": {"n": None}}, timeout=60)
+    if fc.hardened:
+        assert null_n.status == 400 and "H12" in null_n.body and "n=None" in null_n.body, null_n
+    else:
+        assert null_n.status == 500 and "n=None" not in null_n.body, null_n

@@ -48,21 +48,24 @@ pytestmark = pytest.mark.e2e
 
 PREFILL_LIMIT_MESSAGE = "exceeds the maximum allowed length (250 tokens)"
 WRONG_TYPE = {"sampling_params": {"temperature": "hot", "max_new_tokens": 4}}  # H12
+NULL_N = {"sampling_params": {"n": None}}  # H12: 0.5.22's schema gate lets null through
 
 
 @pytest.mark.parametrize("base,backend", core())
 def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
     """H1/H4: an over-limit prompt gets prefill's 400 at once through mini-lb, from prefill's
     own message; the longest accepted prompt and a chunked one are served and history-free.
-    H12: a sampling parameter of the wrong type gets a 400 naming it (0.5.22's schema gate on
-    0.5.22+, H12 before)."""
+    H12: a sampling parameter of the wrong type gets a 400 naming it (0.5.22's schema gate for
+    "hot" on 0.5.22+, H12 before it and for null)."""
     cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **BOUNDARY_PARAMS, **DEPTH)
     idle = cluster.used_tokens()
     with phase(f"scenario boundaries {base} hardened {backend}"):
         v = observe_probes(cluster, {"oversized": OVERSIZED_B, "over_limit": OVER_LIMIT,
                                      "at_limit": AT_LIMIT, "chunked": CHUNKED, "control": FITTING_C})
-        malformed = generate(cluster.lb_url, FITTING_C, extra=WRONG_TYPE, timeout=60)
-    assert malformed.status == 400 and "temperature" in malformed.body, malformed
+        malformed = [generate(cluster.lb_url, FITTING_C, extra=body, timeout=60) for body in (WRONG_TYPE, NULL_N)]
+    # H12 names the field; 0.5.22's schema gate, which answers first there, the value and its type
+    assert all(r.status == 400 for r in malformed) and "hot" in malformed[0].body, malformed
+    assert "H12" in malformed[1].body and "n=None" in malformed[1].body, malformed[1]  # past 0.5.22's gate too
     for name in ("oversized", "over_limit"):
         for r in replies(v[name]):
             record_timing(f"{name} via mini-lb", base, backend, "hardened", r)

@@ -24,6 +24,7 @@ MALFORMED = (
     b'{"text": "the key", "sampling_params": {"temperature": "hot"}}',
     b'{"text": "the key", "sampling_params": ',
     b'{"sampling_params": {"max_new_tokens": 4}}',
+    b'{"text": "the key", "sampling_params": {"n": null}}',
 )
 
 
