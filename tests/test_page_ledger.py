@@ -119,3 +119,8 @@ def test_a_page_sent_whole_carries_slots_prefill_held_for_another_room(ledger, t
         (6, 6, room_a), (7, 7, room_a), (8, None, None)]
     [call] = judged.calls(room_b)
     assert (call["entries"], call["bytes"], call["longest"], call["rc"]) == (2, 96, 64, 0)
+
+
+def test_a_line_still_being_written_is_left_for_the_next_read(tmp_path):
+    (tmp_path / "7.jsonl").write_text('{"t": 1.0, "ev": "begin", "room": 1, "w": 1, "pages": [3]}\n{"t": 2.0, "ev": "en')
+    assert [e["ev"] for e in Ledger(tmp_path).events] == ["begin"]

@@ -21,6 +21,7 @@ from sglang_hardened.sandbox.soak.faults import Injector, RestartFailed, _OpenWr
 from sglang_hardened.sandbox.soak.judge import judge, names_a_cause
 from sglang_hardened.sandbox.soak.plan import FAULTS, SoakPlan, Step
 from sglang_hardened.sandbox.soak.report import SoakReport
+from sglang_hardened.sandbox.soak.run import _end_checks
 from sglang_hardened.sandbox.soak.traffic import Sent, body_of
 
 PLAN = SoakPlan(release_timeout_s=8.0, seed=3)
@@ -108,6 +109,12 @@ def test_an_error_names_its_cause_only_beyond_its_status_line():
     assert names_a_cause("upstream prefill refused: pool too small")
     assert not names_a_cause("Internal Server Error")
     assert not names_a_cause('{"error": ""}')
+    # the fixed fields around a message are no cause: an empty message in SGLang's shapes
+    assert not names_a_cause('{"error": {"message": "", "type": "invalid_request_error", "code": 500}}')
+    assert not names_a_cause('{"object": "error", "message": "Internal Server Error", "type": "InternalServerError"}')
+    assert not names_a_cause('{"type": "abort", "status_code": 500}')
+    assert names_a_cause('{"type": "abort", "message": "sglang-hardened H4: prefill ended the request"}')
+    assert names_a_cause('{"detail": "Not Found"}') and names_a_cause('{"error": "prefill refused"}')
 
 
 def test_request_bodies_per_kind():
@@ -132,13 +139,16 @@ def test_the_report_counts_and_names_each_violation():
 
 def test_the_ledger_is_read_as_it_grows(tmp_path):
     ledger = _OpenWrites(tmp_path)
-    assert not ledger.any()
+    assert not ledger.any(killed={})
     (tmp_path / "11.jsonl").write_text(json.dumps({"t": 1.0, "ev": "begin", "room": 5, "w": 1, "pages": [1]}) + "\n"
                                        + '{"t": 2.0, "ev": "en')  # a line still being written
-    assert ledger.any()
+    assert ledger.any(killed={})
     with (tmp_path / "11.jsonl").open("a") as f:
         f.write('d", "room": 5, "w": 1}\n')
-    assert not ledger.any()
+    assert not ledger.any(killed={})
+    # a write whose writer was killed never ends in the ledger: it ended at the kill
+    (tmp_path / "12.jsonl").write_text(json.dumps({"t": 3.0, "ev": "begin", "room": 6, "w": 1, "pages": [2]}) + "\n")
+    assert ledger.any(killed={"11": 2.5}) and not ledger.any(killed={"12": 3.5})
 
 
 def test_a_server_that_will_not_restart_stops_the_soak_with_its_reason(tmp_path):
@@ -158,6 +168,16 @@ def test_a_server_that_will_not_restart_stops_the_soak_with_its_reason(tmp_path)
     assert server.wait(10) == -signal.SIGKILL
     assert isinstance(injector.error, RestartFailed) and "decode would not restart" in str(injector.error)
     assert str(server.pid) in injector.killed
+
+
+def test_a_server_down_at_the_end_is_a_finding_and_the_rest_is_still_judged(tmp_path):
+    """A server that died by itself (upstream crashes the soak found): no traceback, a finding."""
+    cluster = Cluster(ClusterParams(base="0.5.23", instrument=True), "t", tmp_path,
+                      {r: Proc(r, 0, "", "http://127.0.0.1:9", 9) for r in ("prefill", "decode")})  # nothing listens
+    cluster.instruments.prepare()
+    injector = Injector(cluster, PLAN, lambda role: None, cluster.instruments)
+    found = _end_checks(cluster, injector, {"prefill": 0, "decode": 0}, PLAN, began=0.0)
+    assert [kind for kind, _ in found] == ["server-down"] and "/v1/loads" in found[0][1]
 
 
 def test_an_uninstrumented_cluster_is_refused(tmp_path):

@@ -178,8 +178,10 @@ def soak(name: str, seed: int, clients: int, duration: float, rates: tuple[str, 
         plan.validate()
         if cluster is None or not marked_pids(cluster.run_id):
             raise SandboxError(f"sandbox {name!r} is not up: `sandbox up --name {name} --instrument ...` first")
-        report = run_soak(cluster, plan, progress=lambda line: click.echo(line, err=True))
-        _save(name, cluster)  # a restarted server has a new pid
+        try:
+            report = run_soak(cluster, plan, progress=lambda line: click.echo(line, err=True))
+        finally:
+            _save(name, cluster)  # a restarted server has a new pid
     except RestartFailed as e:
         cluster.stop()
         _state(name).unlink()

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # instruments read the checkout's overlay: only a cluster tha
 MARKER = "SGLANG_HARDENED_SANDBOX"
 BIND_FAILED = "address already in use"
 WAIT_POLL_S = 0.25  # start-up readiness polls: /health is cheap, and every start waits on several
+RESTART_DEADLINE_S = 180.0  # a restarted server must be healthy by then (it loads the model again)
 
 # CUDA graphs off: 0.5.19 has only the disable flags; 0.5.20 on name backends.
 _BACKENDS_DISABLED = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
@@ -163,7 +164,7 @@ class Cluster:
     def from_json(cls, data: dict) -> Cluster:
         params = ClusterParams(**{**data["params"], "extra_flags": tuple(data["params"]["extra_flags"]),
                                   "extra_env": tuple(data["params"]["extra_env"])})
-        envs = {n: SandboxEnv(e["base"], Path(e["python"]), tuple(map(Path, e["path"]))) for n, e in data["envs"].items()}
+        envs = {n: SandboxEnv(e["base"], Path(e["python"]), tuple(map(Path, e["path"]))) for n, e in data.get("envs", {}).items()}
         return cls(params, data["run_id"], Path(data["run_dir"]),
                    {n: Proc(**p) for n, p in data["procs"].items()}, data["bootstrap_port"], data["startup_s"], envs)
 
@@ -185,7 +186,7 @@ class Cluster:
         while time.monotonic() < deadline and (marked_pids(self.run_id) or self.held_ports()):
             time.sleep(0.2)
 
-    def restart(self, name: str, env: SandboxEnv | None = None, deadline_s: float = 180.0) -> None:
+    def restart(self, name: str, env: SandboxEnv | None = None, deadline_s: float = RESTART_DEADLINE_S) -> None:
         """Kill server ``name`` (if anything of it is left) and start it again on the same
         ports (from ``env``, by default the build it ran), as an orchestrator replaces a
         crashed pod; return once it is healthy."""
@@ -208,6 +209,8 @@ class Cluster:
 
 
 def signal_group(pid: int, sig: int) -> None:
+    if pid <= 0:  # os.killpg(0) would signal the caller's own group
+        return
     try:
         os.killpg(pid, sig)  # each child leads its own group (start_new_session)
     except (ProcessLookupError, PermissionError):

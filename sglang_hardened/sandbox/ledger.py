@@ -84,7 +84,8 @@ class Ledger:
 
     def __init__(self, folder: Path) -> None:
         self.files = sorted(folder.glob("*.jsonl"))
-        events = [dict(json.loads(line), pid=f.stem) for f in self.files for line in f.read_text().splitlines()]
+        events = [dict(json.loads(line), pid=f.stem) for f in self.files
+                  for line in f.read_text().splitlines(keepends=True) if line.endswith("\n")]  # not one being written
         self.events = sorted(events, key=lambda e: e["t"])
 
     def of(self, ev: str) -> list[dict]:

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +62,8 @@ class _OpenWrites:
     def __init__(self, folder: Path) -> None:
         self.folder, self.offsets, self.open = folder, {}, set()
 
-    def any(self) -> bool:
+    def any(self, killed: Mapping[str, float]) -> bool:
+        """Whether a write is in flight; those of a killed writer (its pid) ended at its kill."""
         for f in self.folder.glob("*.jsonl"):
             with f.open() as lines:
                 lines.seek(self.offsets.get(f, 0))
@@ -75,6 +76,7 @@ class _OpenWrites:
                         self.open.add((f.stem, e["w"]))
                     elif e["ev"] == "end":
                         self.open.discard((f.stem, e["w"])) if "w" in e else self._end_oldest(f.stem)
+        self.open = {(pid, w) for pid, w in self.open if pid not in killed}
         return bool(self.open)
 
     def _end_oldest(self, pid: str) -> None:
@@ -156,7 +158,7 @@ class Injector:
             with self._slowed():  # only until it lands: a write already slowed stays so
                 time.sleep(step.fault_after_s)
                 aim_until = time.monotonic() + AIM_S
-                while not self._writes.any() and time.monotonic() < aim_until:
+                while not self._writes.any(self.killed) and time.monotonic() < aim_until:
                     time.sleep(0.1)
             at = time.monotonic()
             window = [at, math.inf]

@@ -30,9 +30,11 @@ VIOLATIONS = {
     "page-freed-under-write": "decode freed a page while a write into it could still land",
     "source-freed-under-write": "prefill freed a page while a write was reading it",
     "pages-not-idle": "KV pages still held once the soak settled",
+    "server-down": "a server did not answer once the soak settled (it died, or never came back)",
     "process-leaked": "a process of a killed server still alive",
 }
 GENERIC = {"", "internal server error", "bad gateway", "service unavailable", "gateway timeout"}
+MESSAGE_KEYS = ("message", "detail", "msg", "error")  # where SGLang, FastAPI and the routers put a cause
 
 
 @dataclass(frozen=True)
@@ -49,25 +51,27 @@ class Outcome:
 
 
 def names_a_cause(body: str) -> bool:
-    """An error body that says something beyond its status line."""
+    """An error body that says something beyond its status line: a message, not the fixed
+    fields around one (``"type": "invalid_request_error"``, ``"object": "error"``)."""
     try:
         data = json.loads(body)
     except ValueError:
         return body.strip().lower() not in GENERIC
-    strings = []
+    messages = []
 
     def walk(x) -> None:
-        if isinstance(x, str):
-            strings.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
+        if isinstance(x, dict):
+            for key, value in x.items():
+                if key in MESSAGE_KEYS and isinstance(value, str):
+                    messages.append(value)
+                else:
+                    walk(value)
         elif isinstance(x, list):
-            for v in x:
-                walk(v)
+            for value in x:
+                walk(value)
 
     walk(data)
-    return any(s.strip().lower() not in GENERIC for s in strings)
+    return any(m.strip().lower() not in GENERIC for m in messages)
 
 
 def judge(step: Step, sent: Sent, cat: Catalogue, bound_s: float, calm_at: float | None = None) -> Outcome:

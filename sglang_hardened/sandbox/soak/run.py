@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable
 
 from ...runtime.source_hold import HOLD_TIMEOUTS
-from ..cluster import Cluster, marked_pids
+from ..cluster import RESTART_DEADLINE_S, Cluster, marked_pids
 from ..instruments import Instruments
 from ..ledger import Ledger, UnsafeFree
 from .catalogue import build
@@ -88,7 +88,7 @@ def run_soak(cluster: Cluster, plan: SoakPlan, restart: Callable[[str], None] | 
             bad = sum(o.violation for o in report.outcomes)
             progress(f"{time.monotonic() - began:5.0f} s  requests {len(report.outcomes)}  "
                      f"faults {len(injector.events)}  violations so far {bad}")
-    injector.finish(plan.bound_s)
+    injector.finish(plan.bound_s + RESTART_DEADLINE_S)  # a kill drawn near the end restarts its server
     if injector.error:
         raise injector.error
     report.faults = sorted(injector.events, key=lambda f: f.at)
@@ -104,11 +104,15 @@ def _end_checks(cluster: Cluster, injector: Injector, idle: dict[str, int], plan
     found = []
     settle_s = HOLD_TIMEOUTS * plan.release_timeout_s + injector.instruments.slow_s + SETTLE_EXTRA_S
     deadline = time.monotonic() + settle_s
-    while (used := cluster.used_tokens()) != idle and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if used != idle:
-        found.append(("pages-not-idle", f"KV tokens held {used} where idle held {idle}, {settle_s:.0f} s after the "
-                                        "last request"))
+    try:
+        while (used := cluster.used_tokens()) != idle and time.monotonic() < deadline:
+            time.sleep(0.5)
+    except OSError as e:  # a server that died by itself (or never came back): the rest is still judged
+        found.append(("server-down", f"a server did not answer /v1/loads after the last request: {e}"))
+    else:
+        if used != idle:
+            found.append(("pages-not-idle", f"KV tokens held {used} where idle held {idle}, {settle_s:.0f} s after "
+                                            "the last request"))
     ledger = Ledger(injector.instruments.ledger_dir)
     found += [("page-freed-under-write", f"decode {line}") for line in _by_room(ledger.unsafe_frees(killed=injector.killed), began)]
     # a prefill page freed under a write into a decode killed meanwhile: nobody reads what it sends

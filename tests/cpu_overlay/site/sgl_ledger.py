@@ -146,22 +146,23 @@ def writing(req, dst_pages, send):
 def _watch_calls(engine_class) -> None:
     """Wrap Mooncake's ``batch_transfer_sync_write`` once, so each engine call is recorded with
     what it carried, whoever split the transfer into it."""
-    write = engine_class.batch_transfer_sync_write
-    if getattr(write, "_ledger", False):
-        return
+    with _lock:  # several transfer workers: one wrap, or each call would be recorded twice
+        write = engine_class.batch_transfer_sync_write
+        if getattr(write, "_ledger", False):
+            return
 
-    def batch_transfer_sync_write(engine, peer, srcs, dsts, lengths):
-        rc = None
-        try:
-            rc = write(engine, peer, srcs, dsts, lengths)
-            return rc
-        finally:
-            room, w = getattr(_sending, "current", (None, None))
-            _record("call", room=room, w=w, entries=len(lengths), bytes=int(sum(lengths)),
-                    longest=int(max(lengths, default=0)), rc=rc if isinstance(rc, int) else None)
+        def batch_transfer_sync_write(engine, peer, srcs, dsts, lengths):
+            rc = None
+            try:
+                rc = write(engine, peer, srcs, dsts, lengths)
+                return rc
+            finally:
+                room, w = getattr(_sending, "current", (None, None))
+                _record("call", room=room, w=w, entries=len(lengths), bytes=int(sum(lengths)),
+                        longest=int(max(lengths, default=0)), rc=rc if isinstance(rc, int) else None)
 
-    batch_transfer_sync_write._ledger = True
-    engine_class.batch_transfer_sync_write = batch_transfer_sync_write
+        batch_transfer_sync_write._ledger = True
+        engine_class.batch_transfer_sync_write = batch_transfer_sync_write
 
 
 def posting(req, dst_pages, post):
