@@ -41,7 +41,7 @@ def render(found: dict[tuple[str, str, str], str], commit: str) -> str:
     legend = "\n".join(f"{i}. `{test}`" for i, test in enumerate(tests, 1))
     return (f"# Oversized-prompt scenarios: the full matrix\n\n"
             f"Last full run: {dt.date.today()}, commit {commit}, `scripts/e2e-matrix` (CI runs every scenario "
-            f"on 0.5.19 and 0.5.23 with Mooncake and one on each other base and backend; `-`: the "
+            f"on 0.5.19 and 0.5.23 with Mooncake and one on 0.5.20; `-`: the "
             f"scenario does not apply there).\n\n```\n{table}\n```\n\n{legend}\n")
 
 

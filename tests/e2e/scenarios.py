@@ -36,13 +36,16 @@ LEAK_PARAMS = dict(prefill_pool_tokens=256, decode_pool_tokens=1200, context_len
 TIMEOUT_PARAMS = dict(prefill_pool_tokens=256, decode_pool_tokens=4096, context_length=1024,
                       waiting_timeout_s=15)
 
-# CI runs every scenario on CORE and one on each other base and backend (EDGE);
-# SGLANG_HARDENED_E2E_MATRIX=full runs every scenario everywhere (README, docs/e2e-matrix.md).
+# CI runs every scenario on CORE and one on 0.5.20 (EDGE), where no other CI test runs a hardened
+# cluster: 0.5.21's is the rebased series' (test_rebased_series.py, the same patches), 0.5.22's
+# and both NIXL builds' are the fault matrix's (H1 and H4, what the scenario shows, do not touch
+# the transport). SGLANG_HARDENED_E2E_MATRIX=full runs every scenario everywhere (README,
+# docs/e2e-matrix.md).
 MATRIX_ENV = "SGLANG_HARDENED_E2E_MATRIX"
 FULL_MATRIX = os.environ.get(MATRIX_ENV) == "full"
 CORE = [("0.5.19", "mooncake"), ("0.5.23", "mooncake")]
 EVERYWHERE = [(base, backend) for base in bases() for backend in BACKENDS]
-EDGE = [("0.5.20", "mooncake"), ("0.5.21", "mooncake"), ("0.5.22", "mooncake"), ("0.5.19", "nixl"), ("0.5.23", "nixl")]
+EDGE = [("0.5.20", "mooncake")]
 
 
 def core() -> list[tuple[str, str]]:

@@ -96,7 +96,8 @@ def test_upstream_fails_a_transfer_over_the_tcp_per_call_limit(base, start_clust
         assert sent.entry == pytest.approx(sent.run), "upstream 0.5.19 sends each run in one entry: no index split"
 
 
-@pytest.mark.parametrize("base", ["0.5.19", "0.5.23"])
+# CI: 0.5.19, whose split is the backport; 0.5.23's bounds in CI are test_h6_mooncake_tcp's.
+@pytest.mark.parametrize("base", ["0.5.19", "0.5.23"] if FULL_MATRIX else ["0.5.19"])
 def test_hardened_serves_it_in_bounded_calls(base, start_cluster, tmp_path):
     cluster = start(start_cluster, sandbox_env(base, hardened=True), tmp_path)  # ready = served
     sent = send(cluster, tmp_path)

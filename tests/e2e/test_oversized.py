@@ -19,6 +19,7 @@ from tests.conftest import phase
 
 from .conftest import record_timing, sandbox_env
 from .scenarios import (
+    FULL_MATRIX,
     AT_LIMIT,
     before_decode_gives_up,
     BOUNDARY_PARAMS,
@@ -171,6 +172,8 @@ def test_0519_h1_keeps_a_failed_intake_from_transfer(start_cluster, tmp_path, bu
         assert at_decode.status >= 400, at_decode  # without H4, after decode's waiting timeout
 
 
+@pytest.mark.skipif(not FULL_MATRIX, reason="CI shows H12's hole on upstream 0.5.23 (n: null, test_fault_matrix.py); "
+                                            "the full matrix runs it")
 def test_upstream_0519_answers_a_sampling_parameter_of_the_wrong_type_with_a_bare_500(start_cluster):
     """H12's hole (0.5.19-0.5.21; found by the soak): the parameters' ``TypeError`` escapes the
     generate route, and the client learns nothing of the cause. Cost: one cluster start."""
