@@ -23,7 +23,6 @@ from .series import load_series
 
 Run = Callable[[Sequence[str]], str]  # a command's argv -> its stdout; raises on failure
 
-UPSTREAM_REPO = "sgl-project/sglang"
 PR_URL = re.compile(r"https://github\.com/([\w.-]+/[\w.-]+)/pull/(\d+)")
 BRANCH_PREFIX = "upstream-rebase/"
 ISSUE_TITLE = "upstream-rebase: a new SGLang release needs a human"
