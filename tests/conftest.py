@@ -204,6 +204,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     SESSION.append(session)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real clusters run last, in their own order: the unit tests before them run while
+    tests/e2e/conftest.py builds the clusters' environments in the background."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+
+
 def pytest_runtest_logreport(report) -> None:
     module = report.nodeid.split("::")[0]
     MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + report.duration

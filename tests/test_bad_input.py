@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_hardened.pipeline.fetch import cached_path
+from sglang_hardened.pipeline.fetch import cached_path, fetch_wheel
 from sglang_hardened.pipeline.lock import load_lock
 
 BASE = "0.5.19"
@@ -26,7 +26,7 @@ def test_tampered_cached_upstream_wheel_is_refused(run_cli, patches, tmp_path):
     cache = tmp_path / "cache"
     tampered = cached_path(pin, cache)
     tampered.parent.mkdir(parents=True)
-    shutil.copy(cached_path(pin), tampered)
+    shutil.copy(fetch_wheel(pin), tampered)  # fetched here: no earlier test need have
     with tampered.open("r+b") as fh:
         fh.seek(1000)
         byte = fh.read(1)

@@ -138,10 +138,13 @@ class Cluster:
         return used
 
     def add_lb(self, kind: str, env: SandboxEnv, deadline_s: float = 120.0) -> str:
-        """Start another load balancer of ``kind`` in front of the same servers; return its URL."""
+        """Start another load balancer of ``kind`` in front of the same servers (once: a cluster
+        shared by tests may be asked twice); return its URL."""
         name = f"lb-{kind}"
+        if name in self.procs and _alive(self.procs[name].pid):
+            return self.procs[name].url
         _start_lb(self, env, kind, name, _ports([0])[0])
-        _wait(self, [name], time.monotonic() + deadline_s, _serves)
+        wait_ready(self, [name], time.monotonic() + deadline_s, serves)
         return self.procs[name].url
 
     def log_tail(self, name: str, lines: int = 40) -> str:
@@ -180,7 +183,7 @@ class Cluster:
         for pid in marked_pids(self.run_id):
             _signal(pid, signal.SIGKILL)
         for p in self.procs.values():
-            _reap(p.pid)
+            reap(p.pid)
         # a killed server's sockets close asynchronously: teardown ends when its ports are free
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and (marked_pids(self.run_id) or self.held_ports()):
@@ -193,15 +196,15 @@ class Cluster:
         env = env or self.envs[name]
         proc = self.procs[name]
         signal_group(proc.pid, signal.SIGKILL)
-        _reap(proc.pid)
+        reap(proc.pid)
         ports = [proc.port] + ([self.bootstrap_port] if name == "prefill" else [])
         deadline = time.monotonic() + 30
         while any(port_in_use(p) for p in ports) and time.monotonic() < deadline:
             time.sleep(0.2)
-        pid, log = _spawn(name, proc.cmd, _child_env(env, self.params, self.run_id, self.instruments), self.run_dir,
+        pid, log = spawn(name, proc.cmd, child_env(env, self.params, self.run_id, self.instruments), self.run_dir,
                           append=True)
         self.procs[name] = Proc(name, pid, log, proc.url, proc.port, proc.cmd)
-        _wait(self, [name], time.monotonic() + deadline_s, _healthy)
+        wait_ready(self, [name], time.monotonic() + deadline_s, healthy)
 
     def held_ports(self) -> list[int]:
         ports = [p.port for p in self.procs.values()] + [self.bootstrap_port]
@@ -224,7 +227,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _reap(pid: int) -> None:
+def reap(pid: int) -> None:
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
@@ -294,23 +297,30 @@ def _server_cmd(env: SandboxEnv, p: ClusterParams, model: Path, role: str, port:
     # `launch` is the hardened build's tool wheel, installed beside it; it execs SGLang's own launcher
     launcher = ["sglang_hardened", "launch", "--"] if p.via_launch else ["sglang.launch_server"]
     cmd = [str(env.python), "-m", *launcher, "--model-path", str(model),
-           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-           "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "float32",
-           *CUDA_GRAPHS_OFF[p.base], "--context-length", str(_context_length(p, role)), "--page-size", str(p.page_size),
+           "--host", "127.0.0.1", "--port", str(port),
+           "--context-length", str(_context_length(p, role)), "--page-size", str(p.page_size),
            "--disaggregation-mode", role, "--disaggregation-transfer-backend", BACKENDS[p.backend],
-           # an idle scheduler otherwise spins a whole core; it parks only while it has no batch, queue,
-           # transfer or deferred release (upstream's is_fully_idle), waking on the next request
-           "--sleep-on-idle",
            # without it the CPU pool is sized from host RAM and decode is killed for memory
-           "--max-total-tokens", str(p.prefill_pool_tokens if role == "prefill" else p.decode_pool_tokens)]
+           "--max-total-tokens", str(p.prefill_pool_tokens if role == "prefill" else p.decode_pool_tokens),
+           *cpu_flags(p, role)]
     if p.chunked_prefill_size:
         cmd += ["--chunked-prefill-size", str(p.chunked_prefill_size)]
-    if role == "decode":
-        cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]  # host_pool registers CUDA host memory
     return cmd + list(p.extra_flags)
 
 
-def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instruments | None = None) -> dict[str, str]:
+def cpu_flags(p: ClusterParams, role: str) -> list[str]:
+    """What a server needs on a CPU box on top of a GPU deployment's flags: the stand-in for the GPU."""
+    flags = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--dtype", "float32", *CUDA_GRAPHS_OFF[p.base],
+             # an idle scheduler otherwise spins a whole core; it parks only while it has no batch, queue,
+             # transfer or deferred release (upstream's is_fully_idle), waking on the next request
+             "--sleep-on-idle"]
+    if role == "decode":
+        flags += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]  # host_pool registers CUDA host memory
+    return flags
+
+
+def child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instruments | None = None) -> dict[str, str]:
     e = env.environ()
     e.update({
         MARKER: run_id,
@@ -332,7 +342,7 @@ def _child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Inst
     return e
 
 
-def _spawn(name: str, cmd: list[str], env: dict[str, str], run_dir: Path, append: bool = False) -> tuple[int, str]:
+def spawn(name: str, cmd: list[str], env: dict[str, str], run_dir: Path, append: bool = False) -> tuple[int, str]:
     log = run_dir / f"{name}.log"
     with log.open("a" if append else "w") as out:
         # cwd: ``python -m`` puts it first on sys.path, so the caller's could shadow sglang
@@ -352,7 +362,7 @@ def _alive(pid: int) -> bool:
     return stat.exists() and not stat.read_text().split(") ", 1)[1].startswith("Z")
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
             return r.status == 200
@@ -403,7 +413,7 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
             cmd = _server_cmd(role_envs[role], params, model, role, port)
             if role == "prefill":
                 cmd += ["--disaggregation-bootstrap-port", str(bp)]
-            pid, log = _spawn(role, cmd, _child_env(role_envs[role], params, run_id, cluster.instruments), run_dir)
+            pid, log = spawn(role, cmd, child_env(role_envs[role], params, run_id, cluster.instruments), run_dir)
             cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port, cmd)
         # mini-lb reaches the servers only per request, so it loads (it imports sglang) beside them;
         # ours and smg check their health at start (smg asks again only 30 s later), so they start
@@ -411,10 +421,10 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
         lb_first = params.lb == "mini-lb"
         if lb_first:
             _start_lb(cluster, env, params.lb, "lb", lp)
-        _wait(cluster, ["prefill", "decode"], t0 + deadline_s, _healthy)
+        wait_ready(cluster, ["prefill", "decode"], t0 + deadline_s, healthy)
         if not lb_first:
             _start_lb(cluster, env, params.lb, "lb", lp)
-        _wait(cluster, ["lb"], t0 + deadline_s, _serves if params.probe_transfer else _healthy)
+        wait_ready(cluster, ["lb"], t0 + deadline_s, serves if params.probe_transfer else healthy)
     except BaseException:
         cluster.stop()
         raise
@@ -433,17 +443,17 @@ def _start_lb(cluster: Cluster, env: SandboxEnv, kind: str, name: str, port: int
         cmd = [str(env.python), "-m", *PD_ROUTERS[kind], "--prefill", cluster.prefill_url, str(cluster.bootstrap_port)]
         if kind == "smg":
             cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        child_env = _child_env(env, cluster.params, cluster.run_id)
-        child_env.pop("PYTHONPATH")
+        lb_env = child_env(env, cluster.params, cluster.run_id)
+        lb_env.pop("PYTHONPATH")
     else:
         cmd = [sys.executable, "-m", "sglang_hardened", "lb", "--prefill", f"{cluster.prefill_url},{cluster.bootstrap_port}"]
-        child_env = {**os.environ, MARKER: cluster.run_id}
+        lb_env = {**os.environ, MARKER: cluster.run_id}
     cmd += ["--decode", cluster.decode_url, "--host", "127.0.0.1", "--port", str(port)]
-    pid, log = _spawn(name, cmd, child_env, cluster.run_dir)
+    pid, log = spawn(name, cmd, lb_env, cluster.run_dir)
     cluster.procs[name] = Proc(name, pid, log, f"http://127.0.0.1:{port}", port)
 
 
-def _serves(url: str) -> bool:
+def serves(url: str) -> bool:
     """The lb is ready when a real request through it succeeds (its /health says less)."""
     try:
         return generate(url, "ready", max_new_tokens=1, timeout=60).status == 200
@@ -451,7 +461,7 @@ def _serves(url: str) -> bool:
         return False
 
 
-def _wait(cluster: Cluster, names: list[str], deadline: float, ready: Callable[[str], bool]) -> None:
+def wait_ready(cluster: Cluster, names: list[str], deadline: float, ready: Callable[[str], bool]) -> None:
     pending = list(names)
     while pending:
         for proc in cluster.procs.values():  # every server so far, not only those awaited

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -10,33 +12,91 @@ import pytest
 from sglang_hardened.common.table import format_table
 from sglang_hardened.operations.oracle import Reply
 from sglang_hardened.sandbox import cluster as sbc
-from sglang_hardened.sandbox.env import SandboxEnv, build_env, wheels_for
+from sglang_hardened.sandbox.env import SandboxEnv, bases, build_env, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
 from tests.conftest import CLUSTER_START, SERVER_RESTART, SESSION, phase
+
+from .scenarios import FULL_MATRIX
 
 OVERLAY = Path(__file__).parents[1] / "cpu_overlay"
 PORTS_USED: list[int] = []  # every port a cluster of this session held
 # (scenario, base, backend, build, status, seconds): upstream and hardened in the same run
 TIMINGS: list[tuple[str, str, str, str, int, float]] = []
-_ENVS: dict[tuple[str, bool, tuple[str, ...], Path | None], SandboxEnv] = {}
+EnvKey = tuple[str, bool, tuple[str, ...], Path | None]
+_ENVS: dict[EnvKey, Future[SandboxEnv]] = {}
+_ENVS_LOCK = threading.Lock()
+# The environments CI's e2e tests ask for, in about the order they first do: built beside the
+# unit tests, which run first (tests/conftest.py), so a cold cache's ten minutes of downloads and
+# installs overlap them. (base, hardened, the hardening ids left out.) One not listed is built when
+# a test asks for it, and the run's summary names it; one listed and never asked for costs only
+# background time.
+PREWARM: list[tuple[str, bool, tuple[str, ...]]] = [
+    ("0.5.23", False, ()), ("0.5.23", True, ()), ("0.5.19", False, ()), ("0.5.19", True, ()),
+    ("0.5.22", False, ()), ("0.5.22", True, ()), ("0.5.23", True, ("H3", "H4")), ("0.5.19", True, ("H1",)),
+    ("0.5.19", True, ("H2", "H4")), ("0.5.19", True, ("H1", "H3")), ("0.5.20", True, ()),
+    ("0.5.19", True, ("H3", "H4")),
+] if not FULL_MATRIX else [(base, hardened, ()) for base in bases() for hardened in (False, True)]
+ON_DEMAND: list[str] = []  # environments a test waited for that the prewarm list does not name
+_STOP_PREWARM = threading.Event()
+
+
+def _flavour(hardened: bool, without: tuple[str, ...]) -> str:
+    return "hardened" + "".join(f" -{h}" for h in without) if hardened else "upstream"
 
 
 def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = (),
                 patches: Path | None = None) -> SandboxEnv:
     """The environment for ``base``, upstream or hardened (built once per session);
     ``without`` leaves those hardening ids' patches out of the hardened build,
-    ``patches`` builds from another patch tree (a rebased one)."""
+    ``patches`` builds from another patch tree (a rebased one). One the prewarm thread is
+    building is waited for (a phase of its own: the building is timed where it happens)."""
     key = (base, hardened, without, patches)
-    if key not in _ENVS:
-        flavour = "hardened" + "".join(f" -{h}" for h in without) if hardened else "upstream"
-        with phase(f"wheels {base} {flavour}"):
-            wheels = wheels_for(base, hardened, without, patches)
-        with phase(f"env {base} {flavour}"):
-            env = build_env(base, wheels, OVERLAY)
-        with phase(f"model {base}"):
-            ensure_model(env)
-        _ENVS[key] = env
-    return _ENVS[key]
+    with _ENVS_LOCK:
+        future, owner = _ENVS.get(key), key not in _ENVS
+        if owner:
+            future = _ENVS[key] = Future()
+    if owner:
+        try:
+            future.set_result(_build(*key))
+        except BaseException as e:
+            future.set_exception(e)
+        if threading.current_thread() is threading.main_thread() and (base, hardened, without) not in PREWARM:
+            ON_DEMAND.append(f"{base} {_flavour(hardened, without)}" + (" (another patch tree)" if patches else ""))
+    elif not future.done():
+        with phase(f"prewarm wait {base} {_flavour(hardened, without)}"):
+            future.exception()
+    return future.result()
+
+
+def _build(base: str, hardened: bool, without: tuple[str, ...], patches: Path | None) -> SandboxEnv:
+    flavour = _flavour(hardened, without)
+    with phase(f"wheels {base} {flavour}"):
+        wheels = wheels_for(base, hardened, without, patches)
+    with phase(f"env {base} {flavour}"):
+        env = build_env(base, wheels, OVERLAY)
+    with phase(f"model {base}"):
+        ensure_model(env)
+    return env
+
+
+def _prewarm() -> None:
+    for base, hardened, without in PREWARM:
+        if _STOP_PREWARM.is_set():
+            return
+        try:
+            sandbox_env(base, hardened, without)
+        except BaseException:  # noqa: BLE001 - the test that asks for it gets the error
+            pass
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the e2e tests' environments when the unit tests run before them."""
+    kinds = [item.get_closest_marker("e2e") is not None for item in session.items]
+    if any(kinds) and not kinds[0]:
+        PREWARM_THREAD.start()
+
+
+PREWARM_THREAD = threading.Thread(target=_prewarm, name="prewarm sandbox environments", daemon=True)
 
 
 def launch(env: SandboxEnv, model: str = "tiny", prefill_env: SandboxEnv | None = None, **params) -> sbc.Cluster:
@@ -84,22 +144,57 @@ def pytest_terminal_summary(terminalreporter) -> None:
                 for s, base, backend, build, status, seconds in sorted(set(TIMINGS))]
         terminalreporter.write_line("\nclient waits (same run):")
         terminalreporter.write_line(format_table(("scenario", "base", "backend", "build", "status", "seconds"), rows))
+    if ON_DEMAND:
+        terminalreporter.write_line(f"\nenvironments built when a test asked (not in conftest's PREWARM): "
+                                    f"{', '.join(ON_DEMAND)}")
     if PORTS_USED and (left := sbc.leftovers(PORTS_USED)):
         terminalreporter.write_line(f"LEFT BEHIND by the harness: {', '.join(left)}", red=True, bold=True)
         SESSION[0].exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-@pytest.fixture(scope="module")
-def module_cluster(request) -> Iterator[sbc.Cluster]:
-    """One cluster shared by a module's tests: the module sets CLUSTER = (base, hardened, params)."""
-    base, hardened, params = request.module.CLUSTER
-    cluster = launch(sandbox_env(base, hardened), **params)
-    yield cluster
-    cluster.stop()
+# Clusters shared across modules: at most this many are kept (idle ones sleep, but each holds
+# about 1.5 GiB); the least recently used is stopped first, and started again if asked for again.
+SHARED_KEPT = 3
+_SHARED: dict[tuple[bool, sbc.ClusterParams], sbc.Cluster] = {}
+
+
+def shared(base: str, hardened: bool = False, **params) -> sbc.Cluster:
+    """The running cluster of this build and these parameters, started at the first ask: for
+    tests that leave it as they found it (no fault injected, no server killed, pages back to
+    idle), in any module. A start is about 20 s of CI's budget; sharing one is free."""
+    key = (hardened, sbc.ClusterParams(base=base, **params))  # defaults spelled out or not, one cluster
+    cluster = _SHARED.pop(key, None) or launch(sandbox_env(base, hardened), **params)
+    _SHARED[key] = cluster  # now the most recently used
+    while len(_SHARED) > SHARED_KEPT:
+        _SHARED.pop(next(iter(_SHARED))).stop()
+    return cluster
+
+
+def pytest_sessionfinish() -> None:
+    """Stop the shared clusters, and let an environment build in progress finish (a killed pip
+    leaves half an environment to rebuild); the leftovers check runs after this."""
+    while _SHARED:
+        _SHARED.popitem()[1].stop()
+    _STOP_PREWARM.set()
+    if PREWARM_THREAD.is_alive():
+        PREWARM_THREAD.join()
 
 
 @pytest.fixture
-def shared_cluster(request, module_cluster: sbc.Cluster) -> sbc.Cluster:
-    """The module's cluster, its log tails attached to a failing test's report."""
-    request.node.sandbox_clusters = [module_cluster]
-    return module_cluster
+def share(request) -> Callable[..., sbc.Cluster]:
+    """``shared`` for a test: the cluster's log tails go into the test's report if it fails."""
+
+    def _share(base: str, hardened: bool = False, **params) -> sbc.Cluster:
+        cluster = shared(base, hardened, **params)
+        request.node.sandbox_clusters = [*getattr(request.node, "sandbox_clusters", []), cluster]
+        return cluster
+
+    return _share
+
+
+@pytest.fixture
+def shared_cluster(request, share) -> sbc.Cluster:
+    """The module's cluster, shared with any other module that asks for the same: the module
+    sets CLUSTER = (base, hardened, params)."""
+    base, hardened, params = request.module.CLUSTER
+    return share(base, hardened, **params)

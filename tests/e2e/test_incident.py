@@ -14,8 +14,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-def test_upstream_0519_oversized_prompt_gets_200_and_reads_other_tenants_kv(start_cluster, backend):
-    cluster = start_cluster(sandbox_env("0.5.19"), backend=backend, **LEAK_PARAMS)
+def test_upstream_0519_oversized_prompt_gets_200_and_reads_other_tenants_kv(share, backend):
+    cluster = share("0.5.19", backend=backend, **LEAK_PARAMS)  # test_probes_unsafe.py's too
     with phase(f"scenario leak 0.5.19 upstream {backend}"):
         obs = observe_leak(cluster)
     b = obs.oversized

@@ -21,9 +21,9 @@ pytestmark = pytest.mark.e2e
 CLUSTER = ("0.5.23", False, TIMEOUT_PARAMS)
 
 
-@pytest.fixture(scope="module")
-def hardened_lb(module_cluster) -> str:
-    return module_cluster.add_lb("hardened", sandbox_env("0.5.23"))
+@pytest.fixture
+def hardened_lb(shared_cluster) -> str:
+    return shared_cluster.add_lb("hardened", sandbox_env("0.5.23"))
 
 
 def test_prefill_400_reaches_the_client_at_once_through_ours_not_through_mini_lb(shared_cluster, hardened_lb):

@@ -193,10 +193,11 @@ def test_hardened_0519_h2_alone_reports_the_pending_400(start_cluster):
 
 # 0.5.19 leaks instead (test_incident.py); 0.5.20 waits after a one-token forward.
 @pytest.mark.parametrize("base,backend", upstream_only([("0.5.23", "mooncake")], bases_from="0.5.20"))
-def test_upstream_oversized_prompt_client_waits_for_decode_timeout(start_cluster, base, backend):
+def test_upstream_oversized_prompt_client_waits_for_decode_timeout(share, base, backend):
     """H4's bug: from 0.5.21 prefill rejects at once (0.5.20 after a one-token forward), but
-    decode is never told, and mini-lb relays decode's 500 after its waiting timeout."""
-    cluster = start_cluster(sandbox_env(base), backend=backend, **TIMEOUT_PARAMS)
+    decode is never told, and mini-lb relays decode's 500 after its waiting timeout. (The cluster
+    is test_lb.py's: decode's timeout frees what it held.)"""
+    cluster = share(base, backend=backend, **TIMEOUT_PARAMS)
     with phase(f"scenario timeout {base} upstream {backend}"):
         reply = cluster.generate(OVERSIZED_B, timeout=cluster.params.waiting_timeout_s * 4 + 60)
     record_timing("oversized via mini-lb", base, backend, "upstream", reply)

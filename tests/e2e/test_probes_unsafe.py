@@ -2,7 +2,8 @@
 
 Both must fail it: preflight from what the nodes report (unhardened, pool below context,
 decode accepting longer inputs than prefill), canary from what the deployment answers
-(the over-pool prompt gets a 200, and the probe's output changes with the previous tenant).
+(the over-pool prompt gets a 200, and the probe's output changes with the previous tenant),
+probing through `sglang-hardened lb`. The cluster is test_incident.py's.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from sglang_hardened.cli import main
 from sglang_hardened.operations.canary import Plan, run_canary
 from sglang_hardened.operations.preflight import preflight
 
+from .conftest import sandbox_env
 from .scenarios import LEAK_PARAMS
 
 pytestmark = pytest.mark.e2e
-CLUSTER = ("0.5.19", False, {**LEAK_PARAMS, "lb": "hardened"})
+CLUSTER = ("0.5.19", False, LEAK_PARAMS)
 
 
 def test_preflight_flags_the_unsafe_deployment_with_remedies(shared_cluster, tmp_path):
@@ -40,12 +42,13 @@ def test_preflight_flags_the_unsafe_deployment_with_remedies(shared_cluster, tmp
 
 
 def test_canary_fails_the_leaking_deployment(shared_cluster):
+    lb_url = shared_cluster.add_lb("hardened", sandbox_env("0.5.19"))
     p = shared_cluster.params
     repeats = math.ceil(p.decode_pool_tokens / (min(p.prefill_pool_tokens, p.context_length) * 7 // 10)) + 1
     # Three rounds, not the default two: the tiny random model's greedy answer often falls into the
     # same loop whatever it attends to, and each round is another chance for it to differ. (Before
     # tenants' prompts differed beyond their canaries, one CI run in several saw no difference.)
-    report = run_canary(shared_cluster.lb_url, Plan(p.prefill_pool_tokens, p.context_length, repeats=repeats,
+    report = run_canary(lb_url, Plan(p.prefill_pool_tokens, p.context_length, repeats=repeats,
                                                     rounds=3, max_requests=120))
     checks = {c.name.split(" (")[0]: c for c in report.checks}
     assert not report.ok
