@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 
+from . import metrics
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
 
@@ -69,6 +70,8 @@ def refuse_uncovered(decode_req, row) -> bool:
         return False
     refused_total += 1
     log.error("%s (refused so far: %d)", reason, refused_total)
+    metrics.refused("H3", "decode", "unstated_coverage" if int(row[MAGIC_SLOT]) != STAMP_MAGIC
+                    else "prompt_length_differs")
     abort_before_decode(decode_req, reason)
     return True
 
@@ -89,6 +92,7 @@ def fail_short_transfer(manager, kv_chunk, dst) -> bool:
     if reason is None:
         return False
     log.error(reason)
+    metrics.refused("H3", "prefill", "sender_shortfall")
     if hasattr(manager, "conclude_failure"):  # 0.5.20 on: records, marks Failed, tells decode
         # with the reason: upstream's switch for it (NIXL's is on) is off for Mooncake, and decode
         # would tell its client that prefill "might be dead"; from here on, this manager's

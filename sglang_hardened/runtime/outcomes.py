@@ -43,6 +43,7 @@ import urllib.request
 from collections.abc import Container
 from dataclasses import dataclass
 
+from . import metrics
 from .coverage import SHORTFALL
 from .peer_json import READ_ERRORS, get_json, is_int
 from .warmup import FAKE_BOOTSTRAP_HOST
@@ -273,6 +274,7 @@ def _watch(addr: str, watcher: _Watcher) -> None:
                 new_seq, items = parse_reply(get_json(poll, LONG_POLL_S + 10, REPLY_MAX))
             except urllib.error.HTTPError as exc:
                 if exc.code == 404:
+                    metrics.polled("unhardened")
                     log.warning("sglang-hardened H4: prefill %s is not hardened; its rejections reach this decode "
                                 "only through its waiting timeout (asked again in %.0f s)", addr, RECHECK_S)
                     with _watched_lock:
@@ -280,20 +282,24 @@ def _watch(addr: str, watcher: _Watcher) -> None:
                         while len(_not_hardened) > WATCHERS_MAX:
                             _not_hardened.popitem(last=False)
                     return
+                metrics.polled("unreadable")
                 _bad_reply(addr, watcher, f"HTTP {exc.code}" + (f": set {TOKEN_ENV} alike on both roles" if exc.code == 403 else ""))
                 continue
             except READ_ERRORS as exc:
+                metrics.polled("unreadable")
                 _bad_reply(addr, watcher, f"{type(exc).__name__}: {exc}"[:200])
                 continue
             if new_seq < seq:  # the prefill restarted: its numbering did too
                 seq = -1
                 continue
+            metrics.polled("ok")
             seq = new_seq
             received = time.monotonic()  # age counts on this host's clock, from arrival
             VERDICTS.add([Outcome(seq, room, status, message, received) for room, status, message in items])
     finally:
         with _watched_lock:
             _watchers.pop(addr, None)
+        metrics.following(-1)
 
 
 def _token_header() -> dict[str, str]:
@@ -330,6 +336,7 @@ def _ensure_watching(addr: str, bootstrapped: Container[str]) -> None:
                             "requests only through its waiting timeout", WATCHERS_MAX, addr)
             return
         watcher = _watchers[addr] = _Watcher(now)
+    metrics.following(+1)
     threading.Thread(target=_watch, args=(addr, watcher), name=f"hardened-h4-{addr}", daemon=True).start()
 
 
@@ -362,6 +369,7 @@ def fail_requests_prefill_ended(scheduler) -> None:
             _ended_rids.popitem(last=False)
         log.info("sglang-hardened H4: prefill ended request %s (room %s) with %s: %s; ending it here",
                  req.rid, req.bootstrap_room, outcome.status, outcome.message)
+        metrics.refused("H4", "decode", "prefill_ended")
         scheduler.abort_request(AbortReq(rid=req.rid))
 
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import metrics
 from .page_tags_cost import CostMeter
 
 # Rows a request can never match: rooms are >= 0 and epochs start at 1.
@@ -172,6 +173,7 @@ class DecodePageTags:
             f"aborting it rather than decoding over pages it cannot prove are its own"
         )
         log.error(message)
+        metrics.refused("H8", "decode", "tag_mismatch")
         if self.fail_closed and self.closed_reason is None:
             self.closed_reason = message
             log.error("sglang-hardened H8: %s=1: this decode admits no more requests until restarted",
@@ -181,5 +183,6 @@ class DecodePageTags:
     def admit(self) -> None:
         """Raise once a fail-closed node has seen a mismatch: its pool can no longer be trusted."""
         if self.closed_reason is not None:
+            metrics.refused("H8", "decode", "fail_closed")
             raise PageTagMismatch(f"sglang-hardened H8: this decode stopped admitting requests after: "
                                   f"{self.closed_reason}. Restart it.")

@@ -12,6 +12,8 @@ carried, a refusal (400) says what to do instead: send n requests with n = 1.
 
 from __future__ import annotations
 
+from . import metrics
+
 PD_MODES = ("prefill", "decode")
 MESSAGE = ("sglang-hardened H11: parallel sampling (n > 1) is refused on a prefill/decode "
            "disaggregated server: upstream gives every sample the request's one bootstrap room, so "
@@ -21,5 +23,6 @@ MESSAGE = ("sglang-hardened H11: parallel sampling (n > 1) is refused on a prefi
 
 def refuse_in_pd(disaggregation_mode: object) -> None:
     """Raise ValueError (SGLang answers 400 with its text) on a prefill or decode server."""
-    if getattr(disaggregation_mode, "value", disaggregation_mode) in PD_MODES:
+    if (mode := getattr(disaggregation_mode, "value", disaggregation_mode)) in PD_MODES:
+        metrics.refused("H11", str(mode), "parallel_sampling")
         raise ValueError(MESSAGE)

@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from . import metrics
 from .release_timeout import process_release_timeout_s
 
 PROBE_INTERVAL_S = 0.25
@@ -140,15 +141,18 @@ def writers_settled(receiver) -> bool:
     room, where = receiver.bootstrap_room, " ".join(f"{h}:{p}" for h, p in endpoints)
     now = time.monotonic()
     for ended in [r for r, asked in _held.items() if now - asked > FORGET_S]:
-        del _held[ended]
+        del _held[ended]  # no longer asked about: its drain ack came, and upstream released it
+        metrics.hold_ended("decode", "drain_ack")
     bounded = _running_proves_drained(receiver)
     running_for_s = process_release_timeout_s() if bounded else float("inf")
     if _watch.settled(endpoints, running_for_s=running_for_s):
         if _held.pop(room, None) is not None:
+            metrics.hold_ended("decode", "prefill_gone")
             log.warning("sglang-hardened H5: room %s: prefill %s is gone or running again; its held KV pages go back",
                         room, where)
         return True
     if room not in _held:
+        metrics.hold_started("decode")
         log.warning("sglang-hardened H5: room %s: no drain ack by the release timeout; its KV pages stay held until "
                     "prefill %s %s (a stalled prefill still writes when it resumes)", room, where,
                     "acks, is gone, or has run for another timeout" if bounded else "acks or is gone")

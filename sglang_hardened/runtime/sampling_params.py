@@ -16,6 +16,8 @@ import contextlib
 import typing
 from collections.abc import Iterator, Mapping
 
+from . import metrics
+
 NUMBERS = (int, float)  # bool is an int: SGLang takes it where a number goes
 SHOWN_CHARS = 40  # of a refused value, in the message
 
@@ -66,6 +68,7 @@ def refuse_params_that_do_not_build(params_class: type, params: object) -> Itera
     except (TypeError, AttributeError) as e:
         named = misfits(params_class, params)
         which = f"not a number: {', '.join(named)}" if named else _not_an_object(params) or str(e)
+        metrics.refused("H12", "api", "sampling_params")
         raise ValueError(f"sglang-hardened H12: sampling_params do not build ({which})") from e
 
 

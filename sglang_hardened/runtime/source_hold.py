@@ -34,7 +34,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from . import nixl_drain
+from . import metrics, nixl_drain
 from .release_timeout import process_release_timeout_s
 
 log = logging.getLogger("sglang_hardened")
@@ -63,6 +63,7 @@ def _within_hold(since: float, now: float) -> bool:
 
 def _ran_out(sender, held_s: float) -> None:
     """Say, as a warning, that a hold ended on its bound: the pages may go back under a write."""
+    metrics.hold_ended("prefill", "ran_out", held_s)
     log.warning("sglang-hardened H5: room %s: the transfer still reads its prefill KV pages after %.0f s (%d release "
                 "timeouts); they go back", sender.bootstrap_room, held_s, HOLD_TIMEOUTS)
 
@@ -74,7 +75,8 @@ def still_sending(sender, clock: Callable[[], float] = time.monotonic) -> bool:
     most ``HOLD_TIMEOUTS`` release timeouts from the first poll that asked.
     """
     if _in_flight(sender) <= 0:
-        if _held_since.pop(sender, _EXPIRED) != _EXPIRED:
+        if (since := _held_since.pop(sender, _EXPIRED)) != _EXPIRED:
+            metrics.hold_ended("prefill", "writes_done", clock() - since)
             log.info("sglang-hardened H5: room %s: the transfer stopped reading; its prefill KV pages go back",
                      sender.bootstrap_room)
         return False
@@ -83,6 +85,7 @@ def still_sending(sender, clock: Callable[[], float] = time.monotonic) -> bool:
         return False
     if since is None:
         since = _held_since[sender] = now
+        metrics.hold_started("prefill")
         log.warning("sglang-hardened H5: room %s failed while the transfer still reads its prefill KV pages; "
                     "they stay held until it returns", sender.bootstrap_room)
     if _within_hold(since, now):
@@ -105,6 +108,7 @@ def release_when_sent(req, sender, release: Callable[[], None], clock: Callable[
         release()
         return
     _parked[id(req)] = (req, sender, clock(), release)
+    metrics.hold_started("prefill")
     log.warning("sglang-hardened H5: room %s was aborted while the transfer still reads its prefill KV pages; "
                 "their release waits until it returns", sender.bootstrap_room)
 
@@ -123,6 +127,7 @@ def release_parked(clock: Callable[[], float] = time.monotonic) -> None:
     now = clock()
     for key, (_, sender, since, release) in list(_parked.items()):
         if _in_flight(sender) <= 0:
+            metrics.hold_ended("prefill", "writes_done", now - since)
             log.info("sglang-hardened H5: room %s: the transfer stopped reading; its aborted request's prefill KV "
                      "pages go back", sender.bootstrap_room)
         elif _within_hold(since, now):

@@ -35,6 +35,7 @@ import urllib.error
 from collections import OrderedDict
 from collections.abc import Mapping
 
+from . import metrics
 from .peer_json import READ_ERRORS, get_json, is_int
 
 # One override for both H7 checks: a pool below the context is what makes the
@@ -219,10 +220,12 @@ def check_prefill_limits(bootstrap_addr: str) -> bool:
         )
         if _overridden(message, "Serving anyway"):
             return True
+        metrics.refused("H7", "decode", "limit_below_decode")
         _say_once((bootstrap_addr, prefill_limit), logging.ERROR,
                   f"{message} Requests for this prefill are refused until it registers a limit of at "
                   f"least {_own_input_limit}.")
         return False
+    metrics.refused("H7", "decode", "limit_unreadable")
     _say_once(("unreadable", bootstrap_addr), logging.WARNING,
               f"sglang-hardened H7: cannot read the input limit of the prefill at {bootstrap_addr} "
               f"({reason}); requests for it wait, and fail as for a prefill that does not answer")

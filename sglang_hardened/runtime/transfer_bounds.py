@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import metrics
 from .release_timeout import process_release_timeout_s, release_timeout_s
 from .source_hold import HOLD_TIMEOUTS
 
@@ -182,15 +183,16 @@ def _stop(send: _Send) -> int | None:
 
     manager, room = send.manager, send.room
     if manager.request_status.get(room, KVPoll.Failed) == KVPoll.Failed:
-        reason = "its room failed"
+        reason, why = "its room failed", "room_failed"
     elif time.monotonic() > send.deadline:
-        reason = f"it ran for {HOLD_TIMEOUTS} release timeouts; the room fails"
+        reason, why = f"it ran for {HOLD_TIMEOUTS} release timeouts; the room fails", "send_deadline"
         manager.record_failure(room, f"sglang-hardened H6: the transfer ran for {HOLD_TIMEOUTS} release timeouts")
         manager.update_status(room, KVPoll.Failed)
     else:
         return None
     if not send.said:
         send.said = True
+        metrics.send_stopped(why)
         log.warning("sglang-hardened H6: room %s: no more transfer calls for this send: %s", room, reason)
     return STOPPED
 
@@ -207,6 +209,7 @@ def batch_transfer_sync(write: Write, session_id: str, srcs: list[int], dsts: li
     for batch in split(srcs, dsts, lengths, bounds):
         if send is not None and (stop := _stop(send)) is not None:
             return stop
+        metrics.transfer_call(len(batch[0]), sum(batch[2]))
         ret = in_flight.call(write, session_id, batch, bounds)
         if ret != 0:
             return ret

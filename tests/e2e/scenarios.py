@@ -13,6 +13,7 @@ import math
 import os
 import random
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -170,6 +171,21 @@ def observe_oversized_via_lb(cluster: Cluster) -> TimeoutObservation:
     at_prefill = generate(cluster.prefill_url, OVERSIZED_B, extra=bootstrap_fields(cluster), timeout=60)
     via_lb = cluster.generate(OVERSIZED_B, timeout=cluster.params.waiting_timeout_s * 4 + 60)
     return TimeoutObservation(at_prefill, via_lb)
+
+
+# SGLang's /metrics on both servers, where the hardened runtime's counters go too (runtime/metrics.py)
+METRICS_FLAGS = ("--enable-metrics",)
+
+
+def hardened_metric(cluster: Cluster, role: str, name: str, **labels: str) -> float:
+    """The sum of ``role``'s samples ``sglang_hardened_<name>`` on its /metrics whose labels
+    include ``labels`` (0 when it has none: a counter appears at its first event)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{cluster.procs[role].url}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == f"sglang_hardened_{name}" and labels.items() <= s.labels.items())
 
 
 def post(url: str, payload: dict, path: str = "/generate") -> http.client.HTTPConnection:

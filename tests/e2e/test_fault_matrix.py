@@ -36,8 +36,8 @@ from sglang_hardened.sandbox.soak.run import run_soak
 
 from .conftest import TIMINGS, launch, restart, sandbox_env
 from .inflight import Answer, InFlight, abort_request, send_mid_transfer
-from .scenarios import (FITTING_C, FULL_MATRIX, SAFE_PARAMS, SLOW_PROMPT, core, hang_up, observe_probes,
-                        wait_pages_idle)
+from .scenarios import (FITTING_C, FULL_MATRIX, METRICS_FLAGS, SAFE_PARAMS, SLOW_PROMPT, core, hang_up,
+                        hardened_metric, observe_probes, wait_pages_idle)
 
 pytestmark = pytest.mark.e2e
 
@@ -152,6 +152,10 @@ class FaultCluster:
         assert f"SANDBOX PAGE FAULT {fault}: room {req.room}" in self.cluster.log_tail("prefill", 400)
         return req, req.answer("decode", timeout_s=TOLD_WITHIN_S + 10)
 
+    def metric(self, role: str, name: str, **labels: str) -> float:
+        """``role``'s hardened metric (runtime/metrics.py), as its /metrics serves it."""
+        return hardened_metric(self.cluster, role, name, **labels)
+
     def kill_tests_apply(self) -> None:
         if not (self.hardened or KILLS_ON_UPSTREAM):
             pytest.skip("upstream handles a killed peer safely as well; the full matrix runs it")
@@ -170,7 +174,7 @@ def fc(request, tmp_path_factory):
     build: Build = request.param
     env = sandbox_env(build.base, hardened=build.hardened)
     instruments = Instruments(tmp_path_factory.mktemp("instruments")).prepare()
-    cluster = launch(env, backend=build.backend, **PARAMS, extra_env=(
+    cluster = launch(env, backend=build.backend, **PARAMS, extra_flags=METRICS_FLAGS, extra_env=(
         *instruments.env(), *HEARTBEAT,
         f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
         f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}",
@@ -199,6 +203,17 @@ def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = N
         pages = f"pages freed {held:.3f} s after the write returned"
     print(f"\n{fault} {fc.name}: {role} answered {ans.status} after {ans.seconds:.1f} s; {pages}")
     return held
+
+
+@on(BUILDS)
+def test_a_quiet_cluster_counts_no_hardening_event(fc):
+    """#27's metrics before any fault: nothing refused, no page held past its time, on either
+    role; on hardened Mooncake the start-up request's bounded transfer calls are counted (H6)."""
+    for role in ("prefill", "decode"):
+        for name in ("requests_refused_total", "holds_started_total", "transfer_sends_stopped_total"):
+            assert fc.metric(role, name) == 0, (role, name)
+    if fc.hardened and fc.build.backend == "mooncake":
+        assert fc.metric("prefill", "transfer_call_entries_count") >= 1
 
 
 @on(BUILDS)
@@ -258,6 +273,7 @@ def test_prefill_aborts_mid_transfer(fc):
     of it when the write returns; upstream 0.5.19 tells it the room succeeded (it answers
     from what the write read), 0.5.23 nothing (it waits out its waiting timeout)."""
     clean = fc.cluster.generate(SLOW_PROMPT).output_ids
+    holds = fc.metric("prefill", "holds_ended_total", ended_by="writes_done")
     req = fc.catch_mid_transfer()
     req.read_answers(120)
     fc.abort("prefill", req.rid)
@@ -279,6 +295,9 @@ def test_prefill_aborts_mid_transfer(fc):
         assert not unsafe, "\n".join(map(str, unsafe[:5]))
         assert served.status is not None, "decode was never told"
         assert served_ids in (None, list(clean)), (served_ids, clean)
+        # the source hold, as an operator's dashboard sees it: begun, and ended once the write returned
+        assert fc.metric("prefill", "holds_ended_total", ended_by="writes_done") > holds
+        assert fc.metric("prefill", "rooms_held") == 0
     else:
         assert unsafe, "upstream kept the prefill pages until the write returned"
     assert req.answer("prefill").status != 200 or '"abort"' in req.answer("prefill").body
@@ -289,6 +308,7 @@ def test_prefill_stopped_past_the_release_timeout(fc):
     """SIGSTOP prefill mid-write until decode has failed the request and its release timeout
     has passed, then SIGCONT: the write lands when prefill resumes. Every upstream base
     frees the pages first (0.5.19-0.5.20 at the failure, 0.5.21+ at the timeout)."""
+    holds = fc.metric("decode", "holds_started_total")
     req = fc.catch_mid_transfer()
     req.read_answers(120)
     fc.signal("prefill", signal.SIGSTOP)
@@ -309,6 +329,7 @@ def test_prefill_stopped_past_the_release_timeout(fc):
         # the write, as prefill resumed), so the wait counts from the later of the two.
         after_both = held - max(0.0, resumed_at - Ledger(fc.ledger_dir).write_end(req.room))
         assert after_both < RELEASE_TIMEOUT_S / 2, "not freed on the ack"
+        assert fc.metric("decode", "holds_started_total") > holds, "the hold past the timeout is not counted"
     else:
         assert unsafe and all(u.write_end - u.freed_at > RELEASE_TIMEOUT_S / 2 for u in unsafe), unsafe[:3]
 
@@ -514,5 +535,8 @@ def test_a_short_soak_judges_every_request_and_page(fc):
     null_n = generate(fc.cluster.lb_url, FITTING_C, extra={"sampling_params": {"n": None}}, timeout=60)
     if fc.hardened:
         assert null_n.status == 400 and "H12" in null_n.body and "n=None" in null_n.body, null_n
+        for hid, reason in (("H11", "parallel_sampling"), ("H12", "sampling_params")):
+            assert sum(fc.metric(role, "requests_refused_total", id=hid, reason=reason)
+                       for role in ("prefill", "decode")) >= 1, hid
     else:
         assert null_n.status == 500 and "n=None" not in null_n.body, null_n

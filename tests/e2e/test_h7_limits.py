@@ -15,7 +15,7 @@ from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.runtime.startup import LIMITS_ROUTE, OVERRIDE_ENV, REGISTRATION_FIELD
 
 from .conftest import sandbox_env
-from .scenarios import LEAK_PARAMS
+from .scenarios import LEAK_PARAMS, METRICS_FLAGS, hardened_metric
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +38,7 @@ def test_hardened_0523_decode_refuses_requests_for_a_prefill_with_a_lower_limit_
     prefill such a one. Now decode refuses those requests, logs why once, and stays up;
     a registration upstream rejects leaves the served limit alone."""
     cluster = start_cluster(sandbox_env("0.5.23", hardened=True), **UNEQUAL, waiting_timeout_s=REFUSAL_S,
-                            probe_transfer=False)
+                            probe_transfer=False, extra_flags=METRICS_FLAGS)
     bootstrap = f"http://127.0.0.1:{cluster.bootstrap_port}"
     served = _get_json(f"{bootstrap}{LIMITS_ROUTE}")["max_req_input_len"]
     forged = urllib.request.Request(f"{bootstrap}/route", method="PUT", headers={"content-type": "application/json"},
@@ -54,6 +54,7 @@ def test_hardened_0523_decode_refuses_requests_for_a_prefill_with_a_lower_limit_
     assert re.search(rf"sglang-hardened H7: this decode accepts inputs up to \d+ tokens but the prefill at "
                      rf".* only up to {served}", log), log[-3000:]
     assert log.count(f"only up to {served}") == 1, "a refusal upstream retries each cycle is logged once"
+    assert hardened_metric(cluster, "decode", "requests_refused_total", id="H7", reason="limit_below_decode") >= 1
 
 
 def _get_json(url: str) -> dict:

@@ -17,22 +17,23 @@ from sglang_hardened.operations.oracle import Verdict
 from tests.conftest import phase
 
 from .conftest import sandbox_env
-from .scenarios import FITTING_C, SAFE_PARAMS, shows_nothing_decoded, wait_pages_idle
+from .scenarios import FITTING_C, METRICS_FLAGS, SAFE_PARAMS, hardened_metric, shows_nothing_decoded, wait_pages_idle
 
 pytestmark = pytest.mark.e2e
 
 BASE = "0.5.23"
-# the hardening item that refuses, the decode build (the items it leaves out), what decode's log says
-REFUSERS = {"H3": ((), "did not state how many prompt tokens its transfer covers"),
-            "H8": (("H3", "H4"), "do not carry its tag")}
+# the hardening item that refuses, the decode build (the items it leaves out), what decode's log says,
+# the reason decode's /metrics counts it under (runtime/metrics.py)
+REFUSERS = {"H3": ((), "did not state how many prompt tokens its transfer covers", "unstated_coverage"),
+            "H8": (("H3", "H4"), "do not carry its tag", "tag_mismatch")}
 
 
 @pytest.mark.parametrize("item", REFUSERS)
 def test_hardened_decode_refuses_what_an_unhardened_prefill_sent(start_cluster, item):
-    without, logged = REFUSERS[item]
+    without, logged, reason = REFUSERS[item]
     # every request is refused, so the cluster is ready when the lb is, not when one is served
     cluster = start_cluster(sandbox_env(BASE, hardened=True, without=without), prefill_env=sandbox_env(BASE),
-                            **SAFE_PARAMS, probe_transfer=False)
+                            **SAFE_PARAMS, probe_transfer=False, extra_flags=METRICS_FLAGS)
     idle = cluster.used_tokens()
     with phase(f"scenario unhardened prefill {BASE} hardened decode by {item}"):
         got = [cluster.generate(FITTING_C) for _ in range(2)]
@@ -40,4 +41,5 @@ def test_hardened_decode_refuses_what_an_unhardened_prefill_sent(start_cluster, 
     assert shows_nothing_decoded(Verdict({"probe": got})), got
     decode_log = cluster.log_tail("decode", 4000)
     assert logged in decode_log and "is not hardened" in decode_log
+    assert hardened_metric(cluster, "decode", "requests_refused_total", id=item, reason=reason) >= len(got)
     assert wait_pages_idle(cluster, idle) == idle

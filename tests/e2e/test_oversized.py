@@ -27,6 +27,7 @@ from .scenarios import (
     DEPTH,
     FITTING_C,
     LEAK_PARAMS,
+    METRICS_FLAGS,
     OVER_LIMIT,
     OVERSIZED_B,
     SAME_PAGE,
@@ -36,6 +37,7 @@ from .scenarios import (
     TRUNC_PREFILL_TOKENS,
     core,
     edge,
+    hardened_metric,
     upstream_only,
     observe_oversized_via_lb,
     observe_pair,
@@ -58,7 +60,8 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
     own message; the longest accepted prompt and a chunked one are served and history-free.
     H12: a sampling parameter of the wrong type gets a 400 naming it (0.5.22's schema gate for
     "hot" on 0.5.22+, H12 before it and for null)."""
-    cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **BOUNDARY_PARAMS, **DEPTH)
+    cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **BOUNDARY_PARAMS, **DEPTH,
+                            extra_flags=METRICS_FLAGS)
     idle = cluster.used_tokens()
     with phase(f"scenario boundaries {base} hardened {backend}"):
         v = observe_probes(cluster, {"oversized": OVERSIZED_B, "over_limit": OVER_LIMIT,
@@ -76,6 +79,11 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
         assert all(r.status == 200 and prompt_tokens(r) == tokens for r in replies(v[name])), v[name].replies
         assert not v[name].leaked, (name, v[name].replies)
     assert wait_pages_idle(cluster, idle) == idle
+    # #27's metrics: decode ended the prompts prefill refused on H4's word (read from the outcome
+    # route), and both roles counted H12's refusals where they read the request
+    assert hardened_metric(cluster, "decode", "requests_refused_total", id="H4", reason="prefill_ended") >= 1
+    assert hardened_metric(cluster, "decode", "outcome_polls_total", result="ok") >= 1
+    assert all(hardened_metric(cluster, role, "requests_refused_total", id="H12") >= 1 for role in ("prefill", "decode"))
 
 
 @pytest.mark.parametrize("base,backend", upstream_only([("0.5.23", "mooncake")]))

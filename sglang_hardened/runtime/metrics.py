@@ -1,0 +1,157 @@
+"""Hardening events as Prometheus metrics on SGLang's own ``/metrics`` (``--enable-metrics``).
+
+SGLang serves ``/metrics`` in prometheus_client's multiprocess mode: it sets
+``PROMETHEUS_MULTIPROC_DIR`` before it starts its processes, every process (the HTTP server,
+each scheduler, the bootstrap server) writes its samples to files there, and the route sums
+them. The runtime layer writes its own there, named ``sglang_hardened_*`` and labelled by
+hardening id, role and a reason or outcome from the fixed lists below: never a room, a request
+id or anything a tenant sent, so a scrape reveals counts and nothing else.
+
+Without ``--enable-metrics`` (no ``PROMETHEUS_MULTIPROC_DIR``) nothing is imported or written.
+prometheus_client picks its multiprocess storage when first imported, so it is imported here
+only at the first event, in a process SGLang has already set up. A metric that cannot be
+written is logged once and dropped: counting never fails a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+log = logging.getLogger("sglang_hardened")
+
+PREFIX = "sglang_hardened"
+ROLES = ("prefill", "decode", "api")  # api: where any server first reads a request, role unknown
+# What each id refuses or ends a request for: the only values its ``reason`` label takes.
+REASONS: dict[str, tuple[str, ...]] = {
+    "H3": ("unstated_coverage", "prompt_length_differs", "sender_shortfall"),
+    "H4": ("prefill_ended",),
+    "H7": ("limit_below_decode", "limit_unreadable"),  # per refused readiness check, not per request
+    "H8": ("tag_mismatch", "fail_closed"),
+    "H11": ("parallel_sampling",),
+    "H12": ("sampling_params",),
+}
+# How a hold of KV pages (H5) ends: decode's past its release timeout, prefill's source pages.
+HOLD_ENDS: dict[str, tuple[str, ...]] = {
+    "decode": ("drain_ack", "prefill_gone"),
+    "prefill": ("writes_done", "ran_out"),
+}
+POLL_RESULTS = ("ok", "unhardened", "unreadable")
+STOPS = ("room_failed", "send_deadline")  # why a split send made no more calls (H6)
+ENTRY_BUCKETS = (1, 8, 64, 256, 512, 1024, 2048, 4096)
+BYTE_BUCKETS = tuple(float(1 << s) for s in range(12, 31, 3))  # 4 KiB .. 1 GiB
+SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+# name: (kind, help, labels[, buckets])
+SPECS: dict[str, tuple[Any, ...]] = {
+    "requests_refused_total": ("counter", "Requests a hardening item refused or ended, by id, role and reason.",
+                               ("id", "role", "reason")),
+    "holds_started_total": ("counter", "H5 holds of KV pages begun (decode: past the release timeout without a "
+                                       "drain ack; prefill: source pages a failed transfer still reads).", ("role",)),
+    "holds_ended_total": ("counter", "H5 holds of KV pages ended, by how.", ("role", "ended_by")),
+    "hold_seconds": ("histogram", "How long a prefill source hold lasted.", ("role",), SECONDS_BUCKETS),
+    "rooms_held": ("gauge", "Rooms whose KV pages an H5 hold keeps now.", ("role",)),
+    "transfer_call_entries": ("histogram", "Entries per bounded Mooncake transfer call (H6).", (), ENTRY_BUCKETS),
+    "transfer_call_bytes": ("histogram", "Bytes per bounded Mooncake transfer call (H6).", (), BYTE_BUCKETS),
+    "transfer_sends_stopped_total": ("counter", "Split sends that made no more calls (H6), by why.", ("reason",)),
+    "outcome_followers": ("gauge", "Prefill outcome routes this decode follows (H4).", ()),
+    "outcome_polls_total": ("counter", "Polls of a prefill's outcome route (H4), by result.", ("result",)),
+}
+
+_metrics: dict[str, Any] = {}
+_lock = threading.Lock()
+_broken: list[str] = []
+
+
+def enabled() -> bool:
+    """Whether this server serves metrics (SGLang set up multiprocess mode)."""
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+
+def _metric(name: str) -> Any | None:
+    """The process's metric ``name``, made at its first use; None when metrics are off or broken."""
+    if not enabled() or _broken:
+        return None
+    with _lock:
+        if name not in _metrics:
+            try:
+                import prometheus_client as pc
+
+                kind, help_text, labels, *buckets = SPECS[name]
+                full = f"{PREFIX}_{name.removesuffix('_total')}" if kind == "counter" else f"{PREFIX}_{name}"
+                if kind == "counter":
+                    _metrics[name] = pc.Counter(full, help_text, labels)
+                elif kind == "gauge":
+                    _metrics[name] = pc.Gauge(full, help_text, labels, multiprocess_mode="livesum")
+                else:
+                    _metrics[name] = pc.Histogram(full, help_text, labels, buckets=buckets[0])
+            except Exception as e:  # noqa: BLE001 - metrics never fail a request
+                _broken.append(name)
+                log.warning("sglang-hardened: metrics off in this process: %s: %s", name, e)
+                return None
+        return _metrics[name]
+
+
+def _labelled(name: str, **labels: str) -> Any | None:
+    metric = _metric(name)
+    return metric.labels(**labels) if metric is not None and labels else metric
+
+
+def _checked(value: str, allowed: tuple[str, ...]) -> str:
+    """A label value from its fixed list, or "other": a new call site's typo must not grow the
+    series, and nothing but the list's words may reach a label."""
+    return value if value in allowed else "other"
+
+
+def refused(hid: str, role: str, reason: str) -> None:
+    """Count a request refused or ended by ``hid`` on ``role`` for ``reason`` (REASONS)."""
+    m = _labelled("requests_refused_total", id=_checked(hid, tuple(REASONS)), role=_checked(role, ROLES),
+                  reason=_checked(reason, REASONS.get(hid, ())))
+    if m is not None:
+        m.inc()
+
+
+def hold_started(role: str) -> None:
+    """Count an H5 hold begun on ``role``; it holds its room's pages until ``hold_ended``."""
+    role = _checked(role, ROLES)
+    for name in ("holds_started_total", "rooms_held"):
+        if (m := _labelled(name, role=role)) is not None:
+            m.inc()
+
+
+def hold_ended(role: str, ended_by: str, seconds: float | None = None) -> None:
+    """Count an H5 hold on ``role`` ended (HOLD_ENDS), and how long it lasted where known."""
+    role = _checked(role, ROLES)
+    if (m := _labelled("holds_ended_total", role=role, ended_by=_checked(ended_by, HOLD_ENDS.get(role, ())))) is not None:
+        m.inc()
+    if (m := _labelled("rooms_held", role=role)) is not None:
+        m.dec()
+    if seconds is not None and (m := _labelled("hold_seconds", role=role)) is not None:
+        m.observe(seconds)
+
+
+def transfer_call(entries: int, nbytes: int) -> None:
+    """Observe one bounded Mooncake transfer call (H6): its entries and bytes."""
+    for name, value in (("transfer_call_entries", entries), ("transfer_call_bytes", nbytes)):
+        if (m := _metric(name)) is not None:
+            m.observe(value)
+
+
+def send_stopped(reason: str) -> None:
+    """Count a split send stopped between its calls (H6) for ``reason`` (STOPS)."""
+    if (m := _labelled("transfer_sends_stopped_total", reason=_checked(reason, STOPS))) is not None:
+        m.inc()
+
+
+def following(delta: int) -> None:
+    """A prefill outcome route followed (+1) or dropped (-1) by this decode (H4)."""
+    if (m := _metric("outcome_followers")) is not None:
+        m.inc(delta)
+
+
+def polled(result: str) -> None:
+    """Count one poll of a prefill's outcome route (H4) by result (POLL_RESULTS)."""
+    if (m := _labelled("outcome_polls_total", result=_checked(result, POLL_RESULTS))) is not None:
+        m.inc()
