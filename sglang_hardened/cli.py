@@ -37,12 +37,12 @@ def _register() -> None:
     from .image.cli import image
     from .lb.cli import lb
     from .model.cli import model
-    from .operations.cli import canary, info, launch, policy, preflight
+    from .operations.cli import canary, deploy, info, launch, policy, preflight
     from .pipeline.cli import build, fetch, rebase, upstream, verify
     from .sandbox.cli import sandbox
 
-    for command in (fetch, verify, build, rebase, upstream, info, policy, launch, preflight, canary, image, lb,
-                    model, sandbox):
+    for command in (fetch, verify, build, rebase, upstream, info, policy, launch, preflight, canary, deploy, image,
+                    lb, model, sandbox):
         main.add_command(command)
 
 

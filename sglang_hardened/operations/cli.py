@@ -1,4 +1,4 @@
-"""Operating a deployment: launch, policy, info, preflight, canary (parsing and printing only)."""
+"""Operating a deployment: launch, policy, info, preflight, canary, deploy (parsing and printing only)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ import click
 
 from ..common.errors import HardenedError
 from ..common.table import format_table
+
+
+def _echo_findings(findings: list) -> None:
+    """Preflight's findings (and deploy check's, the same rules) as one table, if any."""
+    if findings:
+        click.echo()
+        click.echo(format_table(("severity", "where", "finding", "remedy"),
+                                [(f.severity, f.where, f.what, f.remedy) for f in findings]))
 
 
 @click.command("preflight")
@@ -34,10 +42,7 @@ def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float,
 
     report = run_preflight(list(prefill), list(decode), timeout)
     click.echo(format_table(NODE_COLUMNS, [node_row(n) for n in report.nodes]))
-    if report.findings:
-        click.echo()
-        click.echo(format_table(("severity", "where", "finding", "remedy"),
-                                [(f.severity, f.where, f.what, f.remedy) for f in report.findings]))
+    _echo_findings(report.findings)
     if json_path:
         json_path.write_text(json.dumps(report.to_json(), indent=1))
     click.echo(f"\npreflight: {'ok' if report.ok else 'UNSAFE'}")
@@ -160,3 +165,38 @@ def launch(base: str | None, dry_run: bool, sglang_args: tuple[str, ...]) -> Non
         click.echo(" ".join(["python", "-m", "sglang.launch_server", *result.argv]))
         return
     exec_sglang(result)
+
+
+@click.group()
+def deploy() -> None:
+    """The Kubernetes recipe (deploy/kubernetes/): check its parameters before applying it.
+
+    \b
+    Example:
+      sglang-hardened deploy check deploy/kubernetes/params/params.env
+    """
+
+
+@deploy.command("check")
+@click.argument("params_file", type=click.Path(path_type=Path), default="deploy/kubernetes/params/params.env")
+def deploy_check(params_file: Path) -> None:
+    """Judge a parameter file with preflight's rules; exit 1 on any unsafe finding.
+
+    Pool vs context on both roles, input limits equal across roles, the same
+    page size, KV dtype and transfer backend, and a hardened image tag. The
+    live servers are judged again by the gateway's preflight gate.
+
+    \b
+    Example:
+      sglang-hardened deploy check deploy/kubernetes/params/params.env && kubectl apply -k deploy/kubernetes/lws
+    """
+    from .deploy_check import check, read_params
+
+    params = read_params(params_file)
+    findings = check(params)
+    click.echo(format_table(("key", "value"), sorted(params.values.items())))
+    _echo_findings(findings)
+    unsafe = any(f.severity == "unsafe" for f in findings)
+    click.echo(f"\ndeploy check: {'UNSAFE' if unsafe else 'ok'}")
+    if unsafe:
+        sys.exit(1)

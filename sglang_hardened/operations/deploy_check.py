@@ -1,0 +1,104 @@
+"""`deploy check`: preflight's rules on the Kubernetes recipe's parameter file, before anything is applied.
+
+The recipe (`deploy/kubernetes/`) takes every value an operator chooses from one env file. This
+check turns that file into the two servers preflight would see once they run through `launch`,
+and judges them with preflight's own rules (`preflight.judge`), so a pool smaller than the
+context, unequal input limits or a layout that differs between roles is refused before a pod
+is scheduled. `--max-total-tokens` is an upper bound: a GPU with less memory makes a smaller
+pool, which H7 at start-up and the gateway's preflight gate judge on the live servers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..common.errors import HardenedError
+from .preflight import Finding, Node, judge
+
+# Every key the file must hold, and what it is; an unknown key is a typo and is refused.
+PARAMS = {
+    "IMAGE": "the hardened image, tagged <release>-hardened.<n> as scripts/build-image tags it",
+    "GATEWAY_IMAGE": "an image with the SGLang Model Gateway (`smg`) on its PATH",
+    "MODEL_PATH": "the model directory inside the servers' pods (both roles load the same one)",
+    "CONTEXT_LENGTH": "both roles' --context-length",
+    "PREFILL_MAX_TOTAL_TOKENS": "prefill's --max-total-tokens: its KV pool, at least the context",
+    "DECODE_MAX_TOTAL_TOKENS": "decode's --max-total-tokens: its KV pool, at least the context",
+    "PAGE_SIZE": "both roles' --page-size",
+    "KV_CACHE_DTYPE": "both roles' --kv-cache-dtype",
+    "TRANSFER_BACKEND": "both roles' --disaggregation-transfer-backend (mooncake or nixl)",
+}
+INTEGERS = ("CONTEXT_LENGTH", "PREFILL_MAX_TOTAL_TOKENS", "DECODE_MAX_TOTAL_TOKENS", "PAGE_SIZE")
+TRANSFER_BACKENDS = ("mooncake", "nixl")
+# scripts/build-image's tag (image/build.py default_tag), with an optional registry and digest
+HARDENED_TAG = re.compile(r":(?P<base>\d+\.\d+\.\d+)-hardened\.\d+(@sha256:[0-9a-f]{64})?$")
+
+
+@dataclass(frozen=True)
+class Params:
+    path: Path
+    values: dict[str, str]
+
+    def int(self, key: str) -> int:
+        return int(self.values[key])
+
+
+def read_params(path: Path) -> Params:
+    """The env file as kustomize's configMapGenerator reads it: KEY=VALUE lines, # comments."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise HardenedError(f"cannot read the parameter file {path}: {exc.strerror}") from None
+    values: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or key not in PARAMS:
+            raise HardenedError(f"{path}:{number}: {line!r} is not one of KEY=VALUE with KEY in {', '.join(PARAMS)}")
+        if key in values:
+            raise HardenedError(f"{path}:{number}: {key} is set twice")
+        values[key] = value
+    missing = [k for k in PARAMS if not values.get(k)]
+    if missing:
+        raise HardenedError(f"{path}: no value for {', '.join(missing)}")
+    for key in INTEGERS:
+        if not values[key].isdigit() or int(values[key]) <= 0:
+            raise HardenedError(f"{path}: {key}={values[key]!r} is not a positive whole number")
+    return Params(path, values)
+
+
+def _server(params: Params, role: str, base: str) -> Node:
+    """The server `launch` starts from these values, as preflight reads it from /server_info."""
+    pool, context = params.int(f"{role.upper()}_MAX_TOTAL_TOKENS"), params.int("CONTEXT_LENGTH")
+    info = {
+        "version": base,
+        # every server starts through `launch`, whose policy turns deferred release (H5) on
+        "hardening": {"hardened": True, "base": base, "deferred_decode_kv_release": True},
+        "max_total_num_tokens": pool,
+        "context_length": context,
+        "max_req_input_len": min(context, pool) - 1,  # SGLang's scheduler: min(context, pool) - 1
+        "page_size": params.int("PAGE_SIZE"),
+        "kv_cache_dtype": params.values["KV_CACHE_DTYPE"],
+        "disaggregation_transfer_backend": params.values["TRANSFER_BACKEND"],
+    }
+    return Node(role, f"{params.path.name}", info)
+
+
+def check(params: Params) -> list[Finding]:
+    """Preflight's findings on the servers these values start, plus the file's own."""
+    out: list[Finding] = []
+    image = params.values["IMAGE"]
+    tag = HARDENED_TAG.search(image)
+    if tag is None:
+        out.append(Finding("unsafe", "IMAGE", f"{image} is not tagged as a hardened build (<release>-hardened.<n>)",
+                           "build it with `scripts/build-image --base <release>`, push it, and set IMAGE to that tag"))
+    if params.values["TRANSFER_BACKEND"] not in TRANSFER_BACKENDS:
+        out.append(Finding("unsafe", "TRANSFER_BACKEND", f"{params.values['TRANSFER_BACKEND']!r} is not a backend "
+                           "the hardening covers", f"use one of {', '.join(TRANSFER_BACKENDS)}"))
+    base = tag.group("base") if tag else "unknown"
+    out += judge([_server(params, "prefill", base), _server(params, "decode", base)])
+    return out
+
