@@ -29,6 +29,10 @@ metrics.transfer_call(300, 300 * 65536)
 metrics.send_stopped("room_failed")
 metrics.following(+1)
 metrics.polled("ok")
+from sglang_hardened.runtime.page_tags_cost import CostMeter
+for every in (2, 0):  # H8's cost metered, then not: only the metered check is observed
+    meter = CostMeter("decode", closing_op="release", unit="request", every=every)
+    meter.add("check", meter.start(), 1, 4)
 """
 COLLECT = """
 import json
@@ -65,8 +69,9 @@ def test_samples_from_every_process_are_summed_and_carry_only_listed_labels(tmp_
     assert got("transfer_call_entries_bucket", le="512.0") == 2 and got("transfer_call_entries_bucket", le="256.0") == 0
     assert got("transfer_sends_stopped_total", reason="room_failed") == 2
     assert got("outcome_polls_total", result="ok") == 2
+    assert got("page_tag_op_seconds_count", role="decode", op="check") == 2
 
-    allowed = {*metrics.ROLES, *metrics.STOPS, *metrics.POLL_RESULTS, *metrics.REASONS, "other",
+    allowed = {*metrics.ROLES, *metrics.STOPS, *metrics.POLL_RESULTS, *metrics.REASONS, *metrics.TAG_OPS, "other",
                *(r for rs in (*metrics.REASONS.values(), *metrics.HOLD_ENDS.values()) for r in rs)}
     for name, labels, _ in samples:
         assert name.startswith("sglang_hardened_"), name

@@ -40,9 +40,11 @@ HOLD_ENDS: dict[str, tuple[str, ...]] = {
 }
 POLL_RESULTS = ("ok", "unhardened", "unreadable")
 STOPS = ("room_failed", "send_deadline")  # why a split send made no more calls (H6)
+TAG_OPS = ("stamp", "allocate", "check", "release")  # H8's operations (runtime/page_tags.py)
 ENTRY_BUCKETS = (1, 8, 64, 256, 512, 1024, 2048, 4096)
 BYTE_BUCKETS = tuple(float(1 << s) for s in range(12, 31, 3))  # 4 KiB .. 1 GiB
 SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+OP_SECONDS_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.025, 0.1)  # 10 us .. 100 ms
 
 # name: (kind, help, labels[, buckets])
 SPECS: dict[str, tuple[Any, ...]] = {
@@ -58,6 +60,8 @@ SPECS: dict[str, tuple[Any, ...]] = {
     "transfer_sends_stopped_total": ("counter", "Split sends that made no more calls (H6), by why.", ("reason",)),
     "outcome_followers": ("gauge", "Prefill outcome routes this decode follows (H4).", ()),
     "outcome_polls_total": ("counter", "Polls of a prefill's outcome route (H4), by result.", ("result",)),
+    "page_tag_op_seconds": ("histogram", "Wall time of one H8 tag operation, while its cost is metered.",
+                            ("role", "op"), OP_SECONDS_BUCKETS),
 }
 
 _metrics: dict[str, Any] = {}
@@ -155,3 +159,10 @@ def polled(result: str) -> None:
     """Count one poll of a prefill's outcome route (H4) by result (POLL_RESULTS)."""
     if (m := _labelled("outcome_polls_total", result=_checked(result, POLL_RESULTS))) is not None:
         m.inc()
+
+
+def tag_op(role: str, op: str, seconds: float) -> None:
+    """Observe one H8 tag operation's wall time (TAG_OPS) on ``role``: only while H8's cost is
+    metered (runtime/page_tags_cost.py), whose clocks it reads, so an unmetered check costs nothing."""
+    if (m := _labelled("page_tag_op_seconds", role=_checked(role, ROLES), op=_checked(op, TAG_OPS))) is not None:
+        m.observe(seconds)

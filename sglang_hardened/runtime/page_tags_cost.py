@@ -11,7 +11,8 @@ destination) one line gives each operation's means per request: wall time
 gives up in every op, and for a busy CPU) and the thread's CPU time (what it
 consumes), with the pages it covered; then the window starts again. The timers
 cost about 1 us per operation; on CUDA they time the host's side: the
-launches, and the check's one device-to-host sync.
+launches, and the check's one device-to-host sync. With `--enable-metrics`
+each operation's wall time also goes into a histogram (runtime/metrics.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+
+from . import metrics
 
 COST_EVERY_ENV = "SGLANG_HARDENED_PAGE_TAGS_COST_EVERY"
 
@@ -82,6 +85,7 @@ class CostMeter:
         if start is None:
             return
         cpu_ns, wall_ns = time.thread_time_ns() - start[1], time.perf_counter_ns() - start[0]
+        metrics.tag_op(self.role, op, wall_ns / 1e9)
         with self._lock:
             cost = self.ops[op]
             cost.cpu_ns += cpu_ns

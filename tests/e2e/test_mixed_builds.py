@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_hardened.operations.oracle import Verdict
+from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV
 from tests.conftest import phase
 
 from .conftest import sandbox_env
@@ -33,7 +34,8 @@ def test_hardened_decode_refuses_what_an_unhardened_prefill_sent(start_cluster, 
     without, logged, reason = REFUSERS[item]
     # every request is refused, so the cluster is ready when the lb is, not when one is served
     cluster = start_cluster(sandbox_env(BASE, hardened=True, without=without), prefill_env=sandbox_env(BASE),
-                            **SAFE_PARAMS, probe_transfer=False, extra_flags=METRICS_FLAGS)
+                            **SAFE_PARAMS, probe_transfer=False, extra_flags=METRICS_FLAGS,
+                            extra_env=(f"{COST_EVERY_ENV}=1",))  # H8's cost metered, so its histogram fills
     idle = cluster.used_tokens()
     with phase(f"scenario unhardened prefill {BASE} hardened decode by {item}"):
         got = [cluster.generate(FITTING_C) for _ in range(2)]
@@ -42,4 +44,6 @@ def test_hardened_decode_refuses_what_an_unhardened_prefill_sent(start_cluster, 
     decode_log = cluster.log_tail("decode", 4000)
     assert logged in decode_log and "is not hardened" in decode_log
     assert hardened_metric(cluster, "decode", "requests_refused_total", id=item, reason=reason) >= len(got)
+    if item == "H8":  # each refusal came from a tag check whose time was observed
+        assert hardened_metric(cluster, "decode", "page_tag_op_seconds_count", role="decode", op="check") >= len(got)
     assert wait_pages_idle(cluster, idle) == idle
