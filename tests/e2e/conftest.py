@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.paths import patches_dir
 from sglang_hardened.common.table import format_table
+from sglang_hardened.image.build import wheel_manifest
 from sglang_hardened.operations.oracle import Reply
+from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.sandbox import cluster as sbc
 from sglang_hardened.sandbox.env import SandboxEnv, bases, build_env, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
@@ -37,6 +40,10 @@ PREWARM: list[tuple[str, bool, tuple[str, ...]]] = [
     ("0.5.19", True, ("H3", "H4")),
 ] if not FULL_MATRIX else [(base, hardened, ()) for base in bases() for hardened in (False, True)]
 ON_DEMAND: list[str] = []  # environments a test waited for that the prewarm list does not name
+# The patch tree every hardened environment is built from, read once before any test runs: the
+# prewarm thread builds while unit tests run in the same process, and one of those points the
+# tool at an edited copy (`tree_copy`); a build that read it then was 0.5.22 without six patches.
+SESSION_PATCHES = patches_dir()
 _STOP_PREWARM = threading.Event()
 
 
@@ -71,12 +78,25 @@ def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = ()
 def _build(base: str, hardened: bool, without: tuple[str, ...], patches: Path | None) -> SandboxEnv:
     flavour = _flavour(hardened, without)
     with phase(f"wheels {base} {flavour}"):
-        wheels = wheels_for(base, hardened, without, patches)
+        wheels = wheels_for(base, hardened, without, patches or SESSION_PATCHES)
+        if hardened:
+            _check_built_from(wheels[0], patches or SESSION_PATCHES, base, without)
     with phase(f"env {base} {flavour}"):
         env = build_env(base, wheels, OVERLAY)
     with phase(f"model {base}"):
         ensure_model(env)
     return env
+
+
+def _check_built_from(wheel: Path, tree: Path, base: str, without: tuple[str, ...]) -> None:
+    """The wheel carries exactly the patches its tree's series names, less ``without``'s: an
+    environment built from another tree fails here, not later as a hardening claim that fails."""
+    expected = [p.name for p in load_series(tree, base).patches if p.hardening_id not in without]
+    got = [p["name"] for p in wheel_manifest(wheel)["patches"]]
+    if got != expected:
+        raise AssertionError(f"{wheel.name} was built from another patch tree than {tree}: it carries "
+                             f"{len(got)} patches, the series names {len(expected)} "
+                             f"(missing: {sorted(set(expected) - set(got))})")
 
 
 def _prewarm() -> None:
