@@ -175,6 +175,8 @@ def observe_oversized_via_lb(cluster: Cluster) -> TimeoutObservation:
 
 # SGLang's /metrics on both servers, where the hardened runtime's counters go too (runtime/metrics.py)
 METRICS_FLAGS = ("--enable-metrics",)
+# decode notices a dead prefill within about 4 s, and bootstraps anew from one restarted in its place
+HEARTBEAT = ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL=2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE=2")
 
 
 def hardened_metric(cluster: Cluster, role: str, name: str, **labels: str) -> float:

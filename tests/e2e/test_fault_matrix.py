@@ -36,13 +36,12 @@ from sglang_hardened.sandbox.soak.run import run_soak
 
 from .conftest import TIMINGS, launch, restart, sandbox_env
 from .inflight import Answer, InFlight, abort_request, send_mid_transfer
-from .scenarios import (FITTING_C, FULL_MATRIX, METRICS_FLAGS, SAFE_PARAMS, SLOW_PROMPT, core, hang_up,
-                        hardened_metric, observe_probes, wait_pages_idle)
+from .scenarios import (FITTING_C, FULL_MATRIX, HEARTBEAT, METRICS_FLAGS, SAFE_PARAMS, SLOW_PROMPT, core,
+                        hang_up, hardened_metric, observe_probes, wait_pages_idle)
 
 pytestmark = pytest.mark.e2e
 
 RELEASE_TIMEOUT_S = 8  # decode's deferred-release timeout here (upstream's default is 30 s)
-HEARTBEAT = ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL=2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE=2")
 PROBE_S = 2  # prefill probes a blacklisted Mooncake session this often (where the probe is on)
 # Another tenant's prompt that prefill can place only by evicting the caught request's 120
 # pages (a 1024-token pool): 940 tokens ("value", " secret", " tenant", ..., " "), sharing no

@@ -17,12 +17,13 @@ import pytest
 
 from sglang_hardened.runtime.page_tags import FAIL_CLOSED_ENV
 from sglang_hardened.sandbox.env import overlay_module
-from tests.conftest import phase
+from tests.conftest import SERVER_RESTART, phase
 
 from .conftest import sandbox_env
 from .scenarios import (
     DEPTH,
     FITTING_C,
+    HEARTBEAT,
     LEAK_PARAMS,
     OVERSIZED_B,
     TRUNC_PARAMS,
@@ -68,12 +69,13 @@ def test_h8_refuses_pages_a_truncated_transfer_left_unwritten(start_cluster, bas
     assert "do not carry its tag" in cluster.log_tail("decode", 2000)
 
 
-def _fault_cluster(start_cluster, switch: Path, base: str, backend: str, hardened: bool, *env_extra: str):
+def _fault_cluster(start_cluster, switch: Path, base: str, backend: str, hardened: bool, *env_extra: str,
+                   flags: tuple[str, ...] = ()):
     """A cluster that cycles decode's free list, its page faults switched by ``switch`` (empty: none)."""
     switch.write_text("")
     env = sandbox_env(base, hardened=True, without=WITHOUT) if hardened else sandbox_env(base)
     depth = DEPTH["extra_env"] if hardened else ()
-    return start_cluster(env, backend=backend, **LEAK_PARAMS,
+    return start_cluster(env, backend=backend, **LEAK_PARAMS, extra_flags=flags,
                          extra_env=(*depth, f"{faults.FILE_ENV}={switch}", *env_extra))
 
 
@@ -125,3 +127,44 @@ def test_upstream_output_depends_on_other_requests_under_injected_faults(start_c
         assert v.leaked, (fault, v.replies)
         assert _hits(cluster, fault) >= 4
         assert wait_pages_idle(cluster, idle) == idle
+
+
+# Upstream's per-transfer KV checksum (sgl-project/sglang#39500, from 0.5.21), which `launch`
+# turns on from 0.5.23 (H10): prefill digests the pages it computed, decode the pages it holds,
+# once, as the request enters its first batch (`_verify_kv_checksums`); a CPU stand-in computes
+# the same Adler-32 here (tests/cpu_overlay/site/sgl_cpu_checksum.py).
+CHECKSUM = "--disaggregation-enable-kv-checksum"
+CHECKSUM_REFUSAL = "KV checksum mismatch"
+
+
+def test_kv_checksum_refuses_each_read_fault_and_a_prefill_without_it_turns_it_off(start_cluster, tmp_path):
+    """#28: on upstream 0.5.23 with the checksum on, each read fault H8 refuses is refused too
+    (500, nothing decoded, no answer that depends on other tenants), where the same faults
+    without it are served 200 with one (the test above). A prefill started without the flag
+    writes no digest, and decode then admits its transfers unverified: the same fault is served
+    200 again, with output that depends on other tenants. So the checksum holds only while every
+    prefill runs it (preflight reads the setting back from each server, docs/hardening.md H10)."""
+    switch = tmp_path / "fault"
+    cluster = _fault_cluster(start_cluster, switch, "0.5.23", "mooncake", False, *HEARTBEAT, flags=(CHECKSUM,))
+    idle = cluster.used_tokens()
+    assert cluster.generate(FAULT_PROBE).status == 200  # digests agree on a transfer with no fault
+    for fault in ("drop-last-page", "stale-page-index", "page-reused-early"):
+        switch.write_text(fault)
+        with phase(f"scenario fault {fault} 0.5.23 mooncake upstream with the KV checksum"):
+            v = observe_probes(cluster, {"probe": FAULT_PROBE})["probe"]
+        # a page whose stale bytes equal what the transfer would have written (the probe's own
+        # earlier KV) digests the same, and is read correctly: no refusal needed, none leaked
+        refused = [r for r in replies(v) if r.status == 500 and CHECKSUM_REFUSAL in r.body]
+        assert refused and all(r in refused or r.status == 200 for r in replies(v)), (fault, v.replies)
+        assert not v.leaked, (fault, v.replies)
+        assert _hits(cluster, fault) >= 4
+        assert wait_pages_idle(cluster, idle) == idle
+    switch.write_text("")
+    prefill = cluster.procs["prefill"]
+    prefill.cmd = [arg for arg in prefill.cmd if arg != CHECKSUM]
+    with phase(f"{SERVER_RESTART} prefill 0.5.23 without the KV checksum"):
+        cluster.restart("prefill")
+    switch.write_text("drop-last-page")
+    with phase("scenario fault drop-last-page 0.5.23 mooncake upstream, prefill without the KV checksum"):
+        v = observe_probes(cluster, {"probe": FAULT_PROBE})["probe"]
+    assert all(r.status == 200 for r in replies(v)) and v.leaked, v.replies
