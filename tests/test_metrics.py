@@ -121,3 +121,20 @@ def test_every_call_site_names_a_listed_reason():
         assert how in metrics.HOLD_ENDS[role], ast.unparse(call)
     for call in _calls("polled"):
         assert words(call.args[0]) <= set(metrics.POLL_RESULTS), ast.unparse(call)
+
+
+def test_a_metric_that_cannot_be_written_never_fails_the_caller(tmp_path):
+    """Each count runs before the hardening action it counts (a release, an abort): with the
+    multiprocess folder gone (its files cannot be made), every call returns, metrics go off once
+    with a warning, and the caller goes on."""
+    code = ("from sglang_hardened.runtime import metrics\n"
+            "metrics.refused('H3', 'decode', 'sender_shortfall'); metrics.hold_started('prefill')\n"
+            "metrics.hold_ended('prefill', 'writes_done', 1.0); metrics.transfer_call(1, 1)\n"
+            "metrics.send_stopped('room_failed'); metrics.following(1); metrics.polled('ok')\n"
+            "metrics.tag_op('decode', 'check', 1e-5)\n"
+            "print('went on', metrics._broken)")
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "gone"), "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(RUNTIME.parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("went on ['") and done.stderr.count("metrics off in this process") == 1

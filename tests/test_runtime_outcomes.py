@@ -299,3 +299,18 @@ def test_watchers_are_capped_and_stop_when_no_request_names_their_prefill(prefil
     assert sorted(watchers) == sorted(addrs[:2])
     assert eventually(lambda: not watchers), "idle watchers stop"
     assert not [t for t in threading.enumerate() if t.name in {f"hardened-h4-{a}" for a in addrs}]
+
+
+@pytest.mark.parametrize("mode, message, counted", [
+    ("prefill", TOO_LONG, True),  # upstream's admission refusal of an over-limit prompt
+    ("prefill", "too long", False),  # another abort: noted for decode, not an H1 refusal
+    ("decode", TOO_LONG, False),
+])
+def test_an_admission_refusal_on_prefill_is_counted_as_h1(monkeypatch, mode, message, counted):
+    counts = []
+    monkeypatch.setattr(outcomes, "OUTCOMES", OutcomeLog())
+    monkeypatch.setattr(outcomes.metrics, "refused", lambda *labels: counts.append(labels))
+    reason = {"type": "abort", "status_code": 400, "message": message}
+    outcomes.note_prefill_finish(_prefill_manager(mode), SimpleNamespace(bootstrap_room=42),
+                                 {"meta_info": {"finish_reason": reason}})
+    assert counts == ([("H1", "prefill", "input_too_long")] if counted else [])

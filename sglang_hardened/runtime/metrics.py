@@ -10,15 +10,17 @@ id or anything a tenant sent, so a scrape reveals counts and nothing else.
 Without ``--enable-metrics`` (no ``PROMETHEUS_MULTIPROC_DIR``) nothing is imported or written.
 prometheus_client picks its multiprocess storage when first imported, so it is imported here
 only at the first event, in a process SGLang has already set up. A metric that cannot be
-written is logged once and dropped: counting never fails a request.
+written turns them off in its process, logged once: counting never fails a request.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec
 
 log = logging.getLogger("sglang_hardened")
 
@@ -26,6 +28,7 @@ PREFIX = "sglang_hardened"
 ROLES = ("prefill", "decode", "api")  # api: where any server first reads a request, role unknown
 # What each id refuses or ends a request for: the only values its ``reason`` label takes.
 REASONS: dict[str, tuple[str, ...]] = {
+    "H1": ("input_too_long",),  # prefill's admission refusal (upstream's own check from 0.5.21)
     "H3": ("unstated_coverage", "prompt_length_differs", "sender_shortfall"),
     "H4": ("prefill_ended",),
     "H7": ("limit_below_decode", "limit_unreadable"),  # per refused readiness check, not per request
@@ -66,7 +69,8 @@ SPECS: dict[str, tuple[Any, ...]] = {
 
 _metrics: dict[str, Any] = {}
 _lock = threading.Lock()
-_broken: list[str] = []
+_broken: list[str] = []  # set once anything fails: from then on nothing is counted here
+P = ParamSpec("P")
 
 
 def enabled() -> bool:
@@ -98,6 +102,23 @@ def _metric(name: str) -> Any | None:
         return _metrics[name]
 
 
+def _never_raises(count: Callable[P, None]) -> Callable[P, None]:
+    """Counting runs before the hardening action it counts (a release, an abort): a metric
+    that cannot be written (its mmap file, a full disk) turns metrics off in this process,
+    logged once, and the action goes on."""
+
+    @functools.wraps(count)
+    def guarded(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            count(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - metrics never fail a request
+            if not _broken:
+                _broken.append(count.__name__)
+                log.warning("sglang-hardened: metrics off in this process: %s: %s", count.__name__, e)
+
+    return guarded
+
+
 def _labelled(name: str, **labels: str) -> Any | None:
     metric = _metric(name)
     return metric.labels(**labels) if metric is not None and labels else metric
@@ -109,6 +130,7 @@ def _checked(value: str, allowed: tuple[str, ...]) -> str:
     return value if value in allowed else "other"
 
 
+@_never_raises
 def refused(hid: str, role: str, reason: str) -> None:
     """Count a request refused or ended by ``hid`` on ``role`` for ``reason`` (REASONS)."""
     m = _labelled("requests_refused_total", id=_checked(hid, tuple(REASONS)), role=_checked(role, ROLES),
@@ -117,6 +139,7 @@ def refused(hid: str, role: str, reason: str) -> None:
         m.inc()
 
 
+@_never_raises
 def hold_started(role: str) -> None:
     """Count an H5 hold begun on ``role``; it holds its room's pages until ``hold_ended``."""
     role = _checked(role, ROLES)
@@ -125,6 +148,7 @@ def hold_started(role: str) -> None:
             m.inc()
 
 
+@_never_raises
 def hold_ended(role: str, ended_by: str, seconds: float | None = None) -> None:
     """Count an H5 hold on ``role`` ended (HOLD_ENDS), and how long it lasted where known."""
     role = _checked(role, ROLES)
@@ -136,6 +160,7 @@ def hold_ended(role: str, ended_by: str, seconds: float | None = None) -> None:
         m.observe(seconds)
 
 
+@_never_raises
 def transfer_call(entries: int, nbytes: int) -> None:
     """Observe one bounded Mooncake transfer call (H6): its entries and bytes."""
     for name, value in (("transfer_call_entries", entries), ("transfer_call_bytes", nbytes)):
@@ -143,24 +168,28 @@ def transfer_call(entries: int, nbytes: int) -> None:
             m.observe(value)
 
 
+@_never_raises
 def send_stopped(reason: str) -> None:
     """Count a split send stopped between its calls (H6) for ``reason`` (STOPS)."""
     if (m := _labelled("transfer_sends_stopped_total", reason=_checked(reason, STOPS))) is not None:
         m.inc()
 
 
+@_never_raises
 def following(delta: int) -> None:
     """A prefill outcome route followed (+1) or dropped (-1) by this decode (H4)."""
     if (m := _metric("outcome_followers")) is not None:
         m.inc(delta)
 
 
+@_never_raises
 def polled(result: str) -> None:
     """Count one poll of a prefill's outcome route (H4) by result (POLL_RESULTS)."""
     if (m := _labelled("outcome_polls_total", result=_checked(result, POLL_RESULTS))) is not None:
         m.inc()
 
 
+@_never_raises
 def tag_op(role: str, op: str, seconds: float) -> None:
     """Observe one H8 tag operation's wall time (TAG_OPS) on ``role``: only while H8's cost is
     metered (runtime/page_tags_cost.py), whose clocks it reads, so an unmetered check costs nothing."""

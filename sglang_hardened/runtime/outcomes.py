@@ -196,8 +196,11 @@ def note_prefill_finish(tokenizer_manager, obj, out: dict) -> None:
     room = getattr(obj, "bootstrap_room", None)
     if mode != "prefill" or not isinstance(reason, dict) or reason.get("type") != "abort":
         return
+    status, message = int(reason.get("status_code") or 500), str(reason.get("message", ""))
+    if status == 400 and _SAFE_REASONS[0].search(message):  # refused at admission: nothing bootstrapped
+        metrics.refused("H1", "prefill", "input_too_long")
     if isinstance(room, int):
-        OUTCOMES.add(room, int(reason.get("status_code") or 500), str(reason.get("message", "")))
+        OUTCOMES.add(room, status, message)
 
 
 def add_routes(app) -> None:

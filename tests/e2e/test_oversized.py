@@ -79,8 +79,9 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
         assert all(r.status == 200 and prompt_tokens(r) == tokens for r in replies(v[name])), v[name].replies
         assert not v[name].leaked, (name, v[name].replies)
     assert wait_pages_idle(cluster, idle) == idle
-    # #27's metrics: decode ended the prompts prefill refused on H4's word (read from the outcome
-    # route), and both roles counted H12's refusals where they read the request
+    # #27's metrics: prefill refused the over-limit prompts at admission (H1), decode ended them on
+    # H4's word (read from the outcome route), and both roles counted H12's refusals
+    assert hardened_metric(cluster, "prefill", "requests_refused_total", id="H1", reason="input_too_long") >= 1
     assert hardened_metric(cluster, "decode", "requests_refused_total", id="H4", reason="prefill_ended") >= 1
     assert hardened_metric(cluster, "decode", "outcome_polls_total", result="ok") >= 1
     assert all(hardened_metric(cluster, role, "requests_refused_total", id="H12") >= 1 for role in ("prefill", "decode"))
