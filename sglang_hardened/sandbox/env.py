@@ -211,13 +211,14 @@ def _target(python: Path, name: str, key: str, args: list[str], overlay: Overlay
     return dest
 
 
-def upstream_wheel(base: str) -> Path:
-    """The pinned upstream wheel for ``base`` (downloaded once, sha256-checked)."""
+def upstream_wheel(base: str, patches: Path | None = None) -> Path:
+    """The pinned upstream wheel for ``base`` (downloaded once, sha256-checked), pinned by
+    ``patches``' lock (default the checkout's tree)."""
     from ..common.paths import patches_dir
     from ..pipeline.fetch import fetch_wheel
     from ..pipeline.lock import load_lock
 
-    pins = load_lock(patches_dir())
+    pins = load_lock(patches or patches_dir())
     if base not in pins:
         raise SandboxError(f"unknown base {base!r}: upstream.lock pins {', '.join(pins)}")
     try:
@@ -281,7 +282,7 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
     so concurrent runs (and checkouts) never replace a wheel another one installs.
     """
     if not hardened:
-        return [upstream_wheel(base)]
+        return [upstream_wheel(base, patches)]
     from ..common.paths import patches_dir
     from ..pipeline.build import build
     from ..pipeline.series import copy_without

@@ -67,11 +67,16 @@ def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = ()
             future.set_result(_build(*key))
         except BaseException as e:
             future.set_exception(e)
+            if threading.current_thread() is not threading.main_thread():
+                with _ENVS_LOCK:  # the test that asks builds it again, and fails with its own error
+                    _ENVS.pop(key, None)
         if threading.current_thread() is threading.main_thread() and (base, hardened, without) not in PREWARM:
             ON_DEMAND.append(f"{base} {_flavour(hardened, without)}" + (" (another patch tree)" if patches else ""))
     elif not future.done():
         with phase(f"prewarm wait {base} {_flavour(hardened, without)}"):
             future.exception()
+        if future.exception() is not None and _ENVS.get(key) is not future:
+            return sandbox_env(base, hardened, without, patches)  # the prewarm's build failed: once more here
     return future.result()
 
 
