@@ -115,18 +115,22 @@ def _selected(selector: dict, labels: dict) -> bool:
 
 
 def reaches(policies: list[dict], source: dict, target: dict, port: int) -> bool:
-    """Whether a pod labelled `source` (in this namespace, or another one) reaches `target` on `port`."""
+    """Whether a pod labelled `source` (in this namespace, or another one) reaches `target` on
+    `port`: a peer's podSelector alone means this namespace; with a namespaceSelector, pods so
+    labelled in the namespaces it selects."""
     applying = [p for p in policies if _selected(p["spec"]["podSelector"], target["labels"])]
     if not applying:
         return True
+
+    def peer_matches(peer: dict) -> bool:
+        in_namespace = (_selected(peer["namespaceSelector"], source["namespace_labels"]) if "namespaceSelector" in peer
+                        else source["namespace"] == "recipe")
+        return in_namespace and _selected(peer.get("podSelector", {}), source["labels"])
+
     for policy in applying:
         for rule in policy["spec"].get("ingress", []):
             peers = rule.get("from", [])
-            by_peer = any(("podSelector" in peer and source["namespace"] == "recipe"
-                           and _selected(peer["podSelector"], source["labels"]))
-                          or ("namespaceSelector" in peer
-                              and _selected(peer["namespaceSelector"], source["namespace_labels"]))
-                          for peer in peers) if peers else True
+            by_peer = any(map(peer_matches, peers)) if peers else True
             ports = rule.get("ports")
             by_port = not ports or any(p["port"] <= port <= p.get("endPort", p["port"]) for p in ports)
             if by_peer and by_port:
@@ -134,26 +138,29 @@ def reaches(policies: list[dict], source: dict, target: dict, port: int) -> bool
     return False
 
 
-def test_only_decode_and_the_gate_reach_prefills_bootstrap_port():
+def test_only_the_recipes_servers_and_gate_reach_prefills_bootstrap_port():
     docs = render("lws")
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
     labels = {c: t["metadata"]["labels"] for c, t in pod_templates(docs).items()}
+    labels["gateway"] = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
 
-    def pod(component: str, namespace: str = "recipe") -> dict:
-        return {"labels": labels.get(component, {"app": component}), "namespace": namespace,
+    def pod(component: str, namespace: str = "recipe", **extra: str) -> dict:
+        return {"labels": {**labels.get(component, {"app": component}), **extra}, "namespace": namespace,
                 "namespace_labels": {"kubernetes.io/metadata.name": namespace}}
 
-    prefill = pod("prefill")
+    prefill, gateway = pod("prefill"), pod("gateway")
+    prometheus = pod("scraper", "monitoring", **{"app.kubernetes.io/name": "prometheus"})
     bootstrap, http = 8998, 30000
     assert reaches(policies, pod("decode"), prefill, bootstrap)
-    assert reaches(policies, pod("gateway"), prefill, bootstrap)  # the preflight gate reads /hardened/limits
-    for outsider in (pod("canary"), pod("prefill"), pod("tenant-app"), pod("tenant-app", "other"),
-                     pod("prometheus", "monitoring")):
+    assert reaches(policies, gateway, prefill, bootstrap)  # the preflight gate reads /hardened/limits
+    assert reaches(policies, pod("prefill"), prefill, bootstrap)  # a multi-node group's ranks register there
+    for outsider in (pod("canary"), pod("tenant-app"), pod("tenant-app", "other"), prometheus):
         assert not reaches(policies, outsider, prefill, bootstrap), outsider
-    assert reaches(policies, pod("prefill"), prefill, 5000)  # a multi-node group's ranks
-    assert reaches(policies, pod("prometheus", "monitoring"), prefill, http)
-    assert not reaches(policies, pod("tenant-app"), prefill, http)
-    assert not reaches(policies, pod("tenant-app", "other"), pod("decode"), http)
+    assert reaches(policies, prometheus, prefill, http) and reaches(policies, prometheus, gateway, 29000)
+    for outsider in (pod("other-app", "monitoring"), pod("tenant-app")):  # the whole API is on that port
+        assert not reaches(policies, outsider, prefill, http) and not reaches(policies, outsider, pod("decode"), http)
+        assert not reaches(policies, outsider, gateway, 29000)
+    assert reaches(policies, pod("tenant-app", "other"), gateway, 8000)  # clients come through the gateway
     assert reaches(policies, pod("prefill"), pod("decode"), 17000)  # the transfer's TCP side
 
 
@@ -178,7 +185,10 @@ def test_deploy_check_passes_the_shipped_parameters_which_name_the_current_build
 
 @pytest.mark.parametrize(("changes", "finding"), [
     ({"PREFILL_MAX_TOTAL_TOKENS": "16384"}, "KV pool holds 16384 tokens, fewer than the context length 32768"),
-    ({"PREFILL_MAX_TOTAL_TOKENS": "16384"}, "accepts inputs up to 32767 tokens, a prefill only up to 16383"),
+    ({"PREFILL_MAX_TOTAL_TOKENS": "16384"}, "accepts inputs up to 32762 tokens, a prefill only up to 16378"),
+    # SGLang sizes a pool in whole pages: 32800 tokens of 64-token pages hold 32768
+    ({"CONTEXT_LENGTH": "32790", "PREFILL_MAX_TOTAL_TOKENS": "32800", "PAGE_SIZE": "64"},
+     "KV pool holds 32768 tokens, fewer than the context length 32790"),
     ({"DECODE_MAX_TOTAL_TOKENS": "8192"}, "KV pool holds 8192 tokens"),
     ({"IMAGE": "docker.io/lmsysorg/sglang:v0.5.23"}, "is not tagged as a hardened build"),
     ({"TRANSFER_BACKEND": "tcp"}, "'tcp' is not a backend the hardening covers"),
@@ -194,6 +204,9 @@ def test_deploy_check_refuses_unsafe_parameters_with_the_rule(tmp_path, changes,
     ("IMAGE=a:0.5.23-hardened.1\nIMAGES=x\n", "'IMAGES=x' is not one of KEY=VALUE"),
     ("IMAGE=a\nIMAGE=b\n", "IMAGE is set twice"),
     ("IMAGE=a\n", "no value for GATEWAY_IMAGE"),
+    ("IMAGE=a\nPAGE_SIZE=64   \n", ":2: PAGE_SIZE='64   ': the ConfigMap would hold it as written"),
+    ("KV_CACHE_DTYPE=auto  # the default\n", ":1: KV_CACHE_DTYPE='auto  # the default'"),
+    ('IMAGE="a:0.5.23-hardened.1"\n', "write the bare value"),
 ])
 def test_deploy_check_names_what_is_wrong_with_a_bad_file(tmp_path, text, message):
     path = tmp_path / "params.env"
@@ -204,8 +217,22 @@ def test_deploy_check_names_what_is_wrong_with_a_bad_file(tmp_path, text, messag
 
 
 def test_deploy_check_refuses_a_number_that_is_not_one(tmp_path):
-    result = run_check(tmp_path, CONTEXT_LENGTH="32k")
-    assert result.exit_code == 1
-    assert "CONTEXT_LENGTH='32k' is not a positive whole number" in result.output
+    for value in ("32k", "²"):  # "²".isdigit() is true, and int() would raise
+        result = run_check(tmp_path, CONTEXT_LENGTH=value)
+        assert result.exit_code == 1  # and the message, not a traceback:
+        assert f"CONTEXT_LENGTH={value!r} is not a positive whole number" in result.output
     missing = CliRunner().invoke(main, ["deploy", "check", str(tmp_path / "absent.env")])
     assert missing.exit_code == 1 and "cannot read the parameter file" in missing.output
+
+
+def test_no_service_of_the_recipe_is_one_a_workload_controller_takes_as_its_own(rendered):
+    """LWS makes (or takes, if one exists) a headless Service named as each LeaderWorkerSet, and
+    RBG one named <group>-<role> that it forces to clusterIP None: had one of the recipe's
+    Services those names, RBG's reconcile would fail on prefill (and never create decode), and
+    LWS's pods would get no per-pod DNS for a multi-node group."""
+    _, docs = rendered
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    claimed = {d["metadata"]["name"] for d in docs if d["kind"] == "LeaderWorkerSet"}
+    claimed |= {f"{d['metadata']['name']}-{role['name']}" for d in docs if d["kind"] == "RoleBasedGroup"
+                for role in d["spec"]["roles"]}
+    assert claimed and not services & claimed, services & claimed

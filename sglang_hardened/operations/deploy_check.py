@@ -31,6 +31,7 @@ PARAMS = {
 }
 INTEGERS = ("CONTEXT_LENGTH", "PREFILL_MAX_TOTAL_TOKENS", "DECODE_MAX_TOTAL_TOKENS", "PAGE_SIZE")
 TRANSFER_BACKENDS = ("mooncake", "nixl")
+UNSAFE_VALUE = re.compile(r"^\s|\s$|[#'\"]")  # kustomize's env files take the rest of the line as the value
 # scripts/build-image's tag (image/build.py default_tag), with an optional registry and digest
 HARDENED_TAG = re.compile(r":(?P<base>\d+\.\d+\.\d+)-hardened\.\d+(@sha256:[0-9a-f]{64})?$")
 
@@ -51,36 +52,41 @@ def read_params(path: Path) -> Params:
     except OSError as exc:
         raise HardenedError(f"cannot read the parameter file {path}: {exc.strerror}") from None
     values: dict[str, str] = {}
+    where: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
+        line = line.lstrip("\ufeff \t")  # kustomize drops a BOM and leading blanks, and keeps the rest
+        if not line.strip() or line.startswith("#"):
             continue
         key, sep, value = line.partition("=")
         if not sep or key not in PARAMS:
             raise HardenedError(f"{path}:{number}: {line!r} is not one of KEY=VALUE with KEY in {', '.join(PARAMS)}")
         if key in values:
             raise HardenedError(f"{path}:{number}: {key} is set twice")
-        values[key] = value
+        if UNSAFE_VALUE.search(value):
+            raise HardenedError(f"{path}:{number}: {key}={value!r}: the ConfigMap would hold it as written (spaces, "
+                                "quotes or a # comment included); write the bare value")
+        values[key], where[key] = value, f"{path}:{number}"
     missing = [k for k in PARAMS if not values.get(k)]
     if missing:
         raise HardenedError(f"{path}: no value for {', '.join(missing)}")
     for key in INTEGERS:
-        if not values[key].isdigit() or int(values[key]) <= 0:
-            raise HardenedError(f"{path}: {key}={values[key]!r} is not a positive whole number")
+        if not re.fullmatch(r"[0-9]+", values[key]) or int(values[key]) <= 0:
+            raise HardenedError(f"{where[key]}: {key}={values[key]!r} is not a positive whole number")
     return Params(path, values)
 
 
 def _server(params: Params, role: str, base: str) -> Node:
     """The server `launch` starts from these values, as preflight reads it from /server_info."""
-    pool, context = params.int(f"{role.upper()}_MAX_TOTAL_TOKENS"), params.int("CONTEXT_LENGTH")
+    page, context = params.int("PAGE_SIZE"), params.int("CONTEXT_LENGTH")
+    pool = params.int(f"{role.upper()}_MAX_TOTAL_TOKENS") // page * page  # SGLang sizes the pool in whole pages
     info = {
         "version": base,
         # every server starts through `launch`, whose policy turns deferred release (H5) on
         "hardening": {"hardened": True, "base": base, "deferred_decode_kv_release": True},
         "max_total_num_tokens": pool,
         "context_length": context,
-        "max_req_input_len": min(context, pool) - 1,  # SGLang's scheduler: min(context, pool) - 1
-        "page_size": params.int("PAGE_SIZE"),
+        "max_req_input_len": min(context - 1, pool - 1) - 5,  # SGLang's tp_worker: max_req_len - 5
+        "page_size": page,
         "kv_cache_dtype": params.values["KV_CACHE_DTYPE"],
         "disaggregation_transfer_backend": params.values["TRANSFER_BACKEND"],
     }
