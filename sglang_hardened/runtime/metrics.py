@@ -79,26 +79,22 @@ def enabled() -> bool:
 
 
 def _metric(name: str) -> Any | None:
-    """The process's metric ``name``, made at its first use; None when metrics are off or broken."""
+    """The process's metric ``name``, made at its first use; None when metrics are off or broken
+    (a failure here reaches ``_never_raises``, which turns them off)."""
     if not enabled() or _broken:
         return None
     with _lock:
         if name not in _metrics:
-            try:
-                import prometheus_client as pc
+            import prometheus_client as pc
 
-                kind, help_text, labels, *buckets = SPECS[name]
-                full = f"{PREFIX}_{name.removesuffix('_total')}" if kind == "counter" else f"{PREFIX}_{name}"
-                if kind == "counter":
-                    _metrics[name] = pc.Counter(full, help_text, labels)
-                elif kind == "gauge":
-                    _metrics[name] = pc.Gauge(full, help_text, labels, multiprocess_mode="livesum")
-                else:
-                    _metrics[name] = pc.Histogram(full, help_text, labels, buckets=buckets[0])
-            except Exception as e:  # noqa: BLE001 - metrics never fail a request
-                _broken.append(name)
-                log.warning("sglang-hardened: metrics off in this process: %s: %s", name, e)
-                return None
+            kind, help_text, labels, *buckets = SPECS[name]
+            full = f"{PREFIX}_{name.removesuffix('_total')}" if kind == "counter" else f"{PREFIX}_{name}"
+            if kind == "counter":
+                _metrics[name] = pc.Counter(full, help_text, labels)
+            elif kind == "gauge":
+                _metrics[name] = pc.Gauge(full, help_text, labels, multiprocess_mode="livesum")
+            else:
+                _metrics[name] = pc.Histogram(full, help_text, labels, buckets=buckets[0])
         return _metrics[name]
 
 
@@ -124,6 +120,16 @@ def _labelled(name: str, **labels: str) -> Any | None:
     return metric.labels(**labels) if metric is not None and labels else metric
 
 
+def _inc(name: str, amount: float = 1, **labels: str) -> None:
+    if (m := _labelled(name, **labels)) is not None:
+        m.inc(amount)
+
+
+def _observe(name: str, value: float, **labels: str) -> None:
+    if (m := _labelled(name, **labels)) is not None:
+        m.observe(value)
+
+
 def _checked(value: str, allowed: tuple[str, ...]) -> str:
     """A label value from its fixed list, or "other": a new call site's typo must not grow the
     series, and nothing but the list's words may reach a label."""
@@ -133,65 +139,55 @@ def _checked(value: str, allowed: tuple[str, ...]) -> str:
 @_never_raises
 def refused(hid: str, role: str, reason: str) -> None:
     """Count a request refused or ended by ``hid`` on ``role`` for ``reason`` (REASONS)."""
-    m = _labelled("requests_refused_total", id=_checked(hid, tuple(REASONS)), role=_checked(role, ROLES),
-                  reason=_checked(reason, REASONS.get(hid, ())))
-    if m is not None:
-        m.inc()
+    _inc("requests_refused_total", id=_checked(hid, tuple(REASONS)), role=_checked(role, ROLES),
+         reason=_checked(reason, REASONS.get(hid, ())))
 
 
 @_never_raises
 def hold_started(role: str) -> None:
     """Count an H5 hold begun on ``role``; it holds its room's pages until ``hold_ended``."""
     role = _checked(role, ROLES)
-    for name in ("holds_started_total", "rooms_held"):
-        if (m := _labelled(name, role=role)) is not None:
-            m.inc()
+    _inc("holds_started_total", role=role)
+    _inc("rooms_held", role=role)
 
 
 @_never_raises
 def hold_ended(role: str, ended_by: str, seconds: float | None = None) -> None:
     """Count an H5 hold on ``role`` ended (HOLD_ENDS), and how long it lasted where known."""
     role = _checked(role, ROLES)
-    if (m := _labelled("holds_ended_total", role=role, ended_by=_checked(ended_by, HOLD_ENDS.get(role, ())))) is not None:
-        m.inc()
-    if (m := _labelled("rooms_held", role=role)) is not None:
-        m.dec()
-    if seconds is not None and (m := _labelled("hold_seconds", role=role)) is not None:
-        m.observe(seconds)
+    _inc("holds_ended_total", role=role, ended_by=_checked(ended_by, HOLD_ENDS.get(role, ())))
+    _inc("rooms_held", -1, role=role)
+    if seconds is not None:
+        _observe("hold_seconds", seconds, role=role)
 
 
 @_never_raises
 def transfer_call(entries: int, nbytes: int) -> None:
     """Observe one bounded Mooncake transfer call (H6): its entries and bytes."""
-    for name, value in (("transfer_call_entries", entries), ("transfer_call_bytes", nbytes)):
-        if (m := _metric(name)) is not None:
-            m.observe(value)
+    _observe("transfer_call_entries", entries)
+    _observe("transfer_call_bytes", nbytes)
 
 
 @_never_raises
 def send_stopped(reason: str) -> None:
     """Count a split send stopped between its calls (H6) for ``reason`` (STOPS)."""
-    if (m := _labelled("transfer_sends_stopped_total", reason=_checked(reason, STOPS))) is not None:
-        m.inc()
+    _inc("transfer_sends_stopped_total", reason=_checked(reason, STOPS))
 
 
 @_never_raises
 def following(delta: int) -> None:
     """A prefill outcome route followed (+1) or dropped (-1) by this decode (H4)."""
-    if (m := _metric("outcome_followers")) is not None:
-        m.inc(delta)
+    _inc("outcome_followers", delta)
 
 
 @_never_raises
 def polled(result: str) -> None:
     """Count one poll of a prefill's outcome route (H4) by result (POLL_RESULTS)."""
-    if (m := _labelled("outcome_polls_total", result=_checked(result, POLL_RESULTS))) is not None:
-        m.inc()
+    _inc("outcome_polls_total", result=_checked(result, POLL_RESULTS))
 
 
 @_never_raises
 def tag_op(role: str, op: str, seconds: float) -> None:
     """Observe one H8 tag operation's wall time (TAG_OPS) on ``role``: only while H8's cost is
     metered (runtime/page_tags_cost.py), whose clocks it reads, so an unmetered check costs nothing."""
-    if (m := _labelled("page_tag_op_seconds", role=_checked(role, ROLES), op=_checked(op, TAG_OPS))) is not None:
-        m.observe(seconds)
+    _observe("page_tag_op_seconds", seconds, role=_checked(role, ROLES), op=_checked(op, TAG_OPS))
