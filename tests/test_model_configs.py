@@ -28,7 +28,8 @@ from sglang_hardened.model.state import Scenario
 
 HARDENED = [n for n in NAMED if n.startswith("hardened-")]
 
-#: What each upstream release leaves open, in the model's terms.
+#: What each upstream release leaves open, in the model's terms. Every release also leaves
+#: a request whose metadata row never lands held for ever (requests-end: no H13).
 UPSTREAM_OPEN = {
     # the incident itself, plus reuse of pages under a live write
     "upstream-0.5.19": {
@@ -36,6 +37,8 @@ UPSTREAM_OPEN = {
         "overwritten-read",
         "reuse-under-write",
         "over-pool-success",
+        "requests-end",
+        "prompt-failure",
     },
     # no success for over-pool any more, but decode waits out its timeout
     "upstream-0.5.20": {
@@ -43,12 +46,13 @@ UPSTREAM_OPEN = {
         "overwritten-read",
         "reuse-under-write",
         "prompt-failure",
+        "requests-end",
     },
     # deferred release on: no overwritten reads, but the 30 s timeout still
     # frees pages under an unbounded batch; truncation still reads stale pages
-    "upstream-0.5.21": {"foreign-read", "reuse-under-write", "prompt-failure"},
-    "upstream-0.5.22": {"foreign-read", "reuse-under-write", "prompt-failure"},
-    "upstream-0.5.23": {"foreign-read", "reuse-under-write", "prompt-failure"},
+    "upstream-0.5.21": {"foreign-read", "reuse-under-write", "prompt-failure", "requests-end"},
+    "upstream-0.5.22": {"foreign-read", "reuse-under-write", "prompt-failure", "requests-end"},
+    "upstream-0.5.23": {"foreign-read", "reuse-under-write", "prompt-failure", "requests-end"},
 }
 
 
@@ -99,11 +103,18 @@ def test_upstream_breaks_what_it_leaves_open(
 
 
 @pytest.mark.parametrize("name", list(NAMED))
-def test_requests_end_and_aborts_resolve_everywhere(
+def test_requests_end_and_aborts_resolve_but_for_metadata_that_never_lands(
     results: dict[str, CheckResult], name: str
 ) -> None:
-    kinds = results[name].kinds
-    assert "requests-end" not in kinds and "aborts-resolve" not in kinds
+    """Everywhere, but upstream's metadata gate holds a Success whose row never lands for
+    ever (#31800's slot leak): that is upstream's one request that does not end."""
+    res = results[name]
+    assert "aborts-resolve" not in res.kinds
+    stuck = [f for f in res.findings if f.kind == "requests-end"]
+    if name in HARDENED:
+        assert not stuck
+    else:
+        assert stuck and all(any(e.action == "metadata_lost" for e, _ in f.trace) for f in stuck)
 
 
 def test_hardened_is_clean_with_three_tenants_on_four_pages() -> None:
@@ -143,7 +154,7 @@ def test_cli_list_and_table() -> None:
     listed = runner.invoke(model, ["check", "--list"])
     assert listed.exit_code == 0
     assert len(listed.output.splitlines()) == len(NAMED)
-    assert "hardened-0.5.21  H1,H2,H3,H4,H5,H6,H8" in listed.output
+    assert "hardened-0.5.21  H1,H2,H3,H4,H5,H6,H8,H13" in listed.output
     clean = runner.invoke(model, ["check", "--config", "hardened-0.5.23"])
     assert clean.exit_code == 0, clean.output
     header, row = clean.output.splitlines()[1:3]

@@ -24,13 +24,13 @@ class _Without(Machine):
 
 def _broken(dropped: set[str], config: str) -> CheckResult:
     variant = type("Variant", (_Without,), {"dropped": frozenset(dropped)})
-    res = CheckResult(NAMED[config])
-    res.results = [explore(variant(sc, NAMED[config].switches)) for sc in SCENARIOS]
+    res = CheckResult(parse_config(config))
+    res.results = [explore(variant(sc, res.config.switches)) for sc in SCENARIOS]
     return res
 
 
 def test_without_h4_decode_waits_out_its_timeout() -> None:
-    res = check(parse_config("H1,H2,H3,H5,H6,H8"))
+    res = check(parse_config("H1,H2,H3,H5,H6,H8,H13"))
     (stuck,) = [f for f in res.findings if f.kind == "prompt-failure"]
     assert "decode_waiting_timeout" in stuck.message
     _, last = stuck.trace[-1]
@@ -50,8 +50,7 @@ def test_a_missing_release_timeout_strands_a_hold() -> None:
 
 
 def test_without_timeouts_upstream_never_ends_a_rejected_request() -> None:
-    res = _broken(
-        {"decode_waiting_timeout", "prefill_bootstrap_timeout"}, "upstream-0.5.21"
-    )
+    # 0.5.21's items plus H13, whose absence strands a request of its own (metadata lost)
+    res = _broken({"decode_waiting_timeout", "prefill_bootstrap_timeout"}, "H1,H2,H5,H13")
     assert "requests-end" in res.kinds
-    assert "requests-end" not in check(NAMED["upstream-0.5.21"]).kinds
+    assert "requests-end" not in check(parse_config("H1,H2,H5,H13")).kinds

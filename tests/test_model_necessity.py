@@ -21,6 +21,7 @@ NEEDED = {
         "overwritten-read",
     },  # pages freed under a live write
     Switch.H6: {"reuse-under-write"},  # the 30 s release outlives an unbounded batch
+    Switch.H13: {"requests-end", "prompt-failure"},  # the gate holds a Success whose row never lands
 }
 
 

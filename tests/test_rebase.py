@@ -40,6 +40,8 @@ H5R = "0024-h5-backport-nixl-rejected-post.patch"
 H11 = "0030-h11-refuse-parallel-sampling-in-pd.patch"
 # H12 (0.5.19-0.5.21): sampling parameters that do not build refused with 400, in the same file.
 H12 = "0031-h12-refuse-sampling-params-that-do-not-build.patch"
+# H13: the metadata gate's hold bounded, seamed in the gate and imported just above it.
+H13 = "0032-h13-end-transfer-whose-metadata-never-lands.patch"
 
 
 # Why each verdict is the fact: 0.5.20 moved the seam's lines (offset only);
@@ -66,14 +68,15 @@ H12 = "0031-h12-refuse-sampling-params-that-do-not-build.patch"
 # which ack paths bypass `_maybe_ack_drained_abort` changed in 0.5.21 and 0.5.22: a human.
 # H11's import sits above a helper 0.5.22 put a watermark check before (a clean 3-way merge);
 # H12's block ends where 0.5.22 added that check after `verify` (a human: 0.5.22's schema gate
-# makes H12 needless there).
-@pytest.mark.parametrize("target, verdict, h1, h2, h5, h5g, h11, h12", [
-    ("0.5.20", OFFSET, MERGED, MERGED, MERGED, MERGED, OFFSET, OFFSET),
-    ("0.5.21", MERGED, UPSTREAM, MERGED, UPSTREAM, MERGED, OFFSET, OFFSET),
-    ("0.5.22", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT, MERGED, CONFLICT),
-    ("0.5.23", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT, MERGED, CONFLICT)])
+# makes H12 needless there). H13's gate only moves until 0.5.23 put a new function after it
+# (a clean 3-way merge).
+@pytest.mark.parametrize("target, verdict, h1, h2, h5, h5g, h11, h12, h13", [
+    ("0.5.20", OFFSET, MERGED, MERGED, MERGED, MERGED, OFFSET, OFFSET, OFFSET),
+    ("0.5.21", MERGED, UPSTREAM, MERGED, UPSTREAM, MERGED, OFFSET, OFFSET, OFFSET),
+    ("0.5.22", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT, MERGED, CONFLICT, OFFSET),
+    ("0.5.23", CONFLICT, UPSTREAM, CONFLICT, CONFLICT, CONFLICT, MERGED, CONFLICT, MERGED)])
 def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, target, verdict, h1, h2, h5, h5g,
-                                    h11, h12):
+                                    h11, h12, h13):
     drop_base(target)
     drop_ids("0.5.19", "H8")  # per-base variants: tests below and test_h8_* say what it needs
     result = rebase(tree_copy, "0.5.19", target)
@@ -81,7 +84,7 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, tar
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
         H5G: h5g, H5S: CONFLICT, H6B: UPSTREAM, H6: MERGED if target == "0.5.23" else OFFSET,
         H6P: UPSTREAM if target == "0.5.23" else OFFSET,
-        H5D: CONFLICT, H11: h11, H12: h12}
+        H5D: CONFLICT, H11: h11, H12: h12, H13: h13}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -106,14 +109,14 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
-        H5G: MERGED, H5S: MERGED, H6: OFFSET, H6P: OFFSET, H11: OFFSET, H12: OFFSET}
+        H5G: MERGED, H5S: MERGED, H6: OFFSET, H6P: OFFSET, H11: OFFSET, H12: OFFSET, H13: OFFSET}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
     assert f"# dropped {H5}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / H1).exists() and not (written / H5).exists()
     carried = load_series(tree_copy, "0.5.21")
-    assert [p.name for p in carried.patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P, H11, H12]
+    assert [p.name for p in carried.patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P, H11, H12, H13]
     hand_made = [p for p in load_series(patches, "0.5.21").patches if p.name not in (H8, H8N, H5D, H5R)]
     assert [added_lines(p.diff) for p in carried.patches] == [added_lines(p.diff) for p in hand_made]
     assert load_lock(tree_copy)["0.5.21"] == result.pin

@@ -67,6 +67,35 @@ def test_drop_last_page_only_when_switched_on_and_long(switch):
     assert [(a[1], a[3]) for a in sent] == [([1, 2, 3], [4, 5, 6]), ([1, 2], [4, 5]), ([1, 2], [4, 5])]
 
 
+class AuxManager:
+    """Upstream's Mooncake manager as far as the aux path goes: ``send_aux_tcp`` frames each
+    buffer through ``send_aux_data_to_endpoint``, which writes ``len(data)`` into the frame."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[int, bytes]] = []
+
+    def send_aux(self, req, prefill_aux_index, dst_aux_ptrs):
+        return "rdma"
+
+    def send_aux_tcp(self, req, prefill_aux_index, dst_aux_ptrs):
+        for i, data in enumerate((b"first token", b"room")):
+            self.send_aux_data_to_endpoint(remote="d", dst_port=1, room=req.room, buffer_index=i,
+                                           aux_index=0, data=data)
+        return 0
+
+    def send_aux_data_to_endpoint(self, *, remote, dst_port, room, buffer_index, aux_index, data) -> None:
+        self.frames.append((len(data), bytes(data)))
+
+
+def test_aux_cut_sends_frames_one_byte_short_of_their_length_and_reports_success(switch):
+    manager, req = AuxManager(), SimpleNamespace(room=9, dst_kv_indices=list(range(4)))
+    assert faults.cutting_aux(req, manager)(req, 0, [1, 2]) == "rdma" and not manager.frames
+    switch.write_text("aux-cut")
+    assert faults.cutting_aux(SimpleNamespace(room=9, dst_kv_indices=[1]), manager) == manager.send_aux  # short
+    assert faults.cutting_aux(req, manager)(req, 0, [1, 2]) == 0
+    assert manager.frames == [(12, b"first token"), (5, b"room")]  # each length field says one more than it carries
+
+
 def test_fail_part_way_writes_half_then_reports_failure(switch):
     sent = []
     send = faults.failing_part_way(SimpleNamespace(room=7), lambda *a, **k: sent.append(a) or 0)

@@ -26,6 +26,10 @@ class Switch(StrEnum):
     H5 = "H5"  # deferred decode KV release on every failure path
     H6 = "H6"  # bounded batches: a batch cannot outlive the release timeout
     H8 = "H8"  # page ownership tags checked before decode reads
+    H13 = "H13"  # the metadata gate's hold on a Success ends at the release timeout
+
+    def __lt__(self, other: str) -> bool:  # catalogue order (H8 before H13), for every listing
+        return int(self[1:]) < int(other[1:])
 
 
 ALL = frozenset(Switch)

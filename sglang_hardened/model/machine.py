@@ -34,6 +34,7 @@ from .state import (
     P_REJECTED,
     P_XFER,
     ST_FAILED,
+    ST_NO_METADATA,
     ST_NONE,
     ST_SUCCESS,
     Batch,
@@ -55,12 +56,14 @@ ACTIONS = (
     "batch_land",
     "batch_return",
     "batch_fail",
+    "metadata_lost",
     "decode_admit",
     "decode_alloc",
     "decode_commit",
     "decode_fail",
     "decode_drop",
     "decode_waiting_timeout",
+    "metadata_timeout",
     "decode_finish",
     "decode_abort",
     "abort_ack",
@@ -109,6 +112,7 @@ class Machine:
         self.h5 = Switch.H5 in switches
         self.h6 = Switch.H6 in switches
         self.h8 = Switch.H8 in switches
+        self.h13 = Switch.H13 in switches
 
     # -- shared effects -------------------------------------------------
 
@@ -216,7 +220,12 @@ class Machine:
                 NORMAL,
             )
         else:
-            yield Step(Event("batch_return", r), self._batch_returned(s, r), NORMAL)
+            returned = self._batch_returned(s, r)
+            yield Step(Event("batch_return", r), returned, NORMAL)
+            if s.faults and returned.reqs[r].status == ST_SUCCESS:
+                # the last chunk's Success reaches decode, its metadata row never does
+                lost = _with(returned, r, returned.reqs[r]._replace(status=ST_NO_METADATA))
+                yield Step(Event("metadata_lost", r), lost._replace(faults=s.faults - 1), FAULT)
         if s.faults:
             failed = s._replace(batch=None, faults=s.faults - 1)
             q = q._replace(p=P_FAILED, p_abort=False)
@@ -280,6 +289,10 @@ class Machine:
                 yield Step(Event("decode_commit", r), self._commit(s, r), NORMAL)
             elif q.status == ST_FAILED:
                 yield Step(Event("decode_fail", r), self._decode_fails(s, r), NORMAL)
+            elif q.status == ST_NO_METADATA:
+                # upstream's metadata gate holds it as Transferring, with no timeout
+                if self.h13:
+                    yield Step(Event("metadata_timeout", r), self._decode_fails(s, r), NORMAL)
             else:
                 yield Step(
                     Event("decode_waiting_timeout", r), self._decode_fails(s, r), LONG

@@ -109,6 +109,11 @@ def describe(sc: Scenario, event: Event, before: State, after: State) -> str:
     if a == "batch_fail":
         assert b is not None
         return f"r{r}'s batch for chunk {b.chunk + 1} fails (transport error); decode's receiver sees Failed"
+    if a == "metadata_lost":
+        return (f"r{r}'s last batch returns and prefill reports Success, but its metadata row never "
+                "reaches decode (an AUX_DATA frame dropped): decode's metadata gate holds it")
+    if a == "metadata_timeout":
+        return f"the gate's hold on r{r} ends at the release timeout (H13): {_decode_outcome(before, after, r)}"
     if a == "decode_admit":
         return f"decode admits {who} into DecodePreallocQueue"
     if a == "decode_alloc":

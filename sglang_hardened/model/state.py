@@ -42,6 +42,7 @@ D_DONE = frozenset({D_OK, D_FAILED, D_LOST})
 # What decode's KV receiver has been told about the transfer.
 ST_NONE = ""
 ST_SUCCESS = "success"
+ST_NO_METADATA = "success-no-metadata"  # Success, but the metadata row never lands (H13)
 ST_FAILED = "failed"
 
 

@@ -35,6 +35,7 @@ REASONS: dict[str, tuple[str, ...]] = {
     "H8": ("tag_mismatch", "fail_closed"),
     "H11": ("parallel_sampling",),
     "H12": ("sampling_params",),
+    "H13": ("metadata_lost",),
 }
 # How a hold of KV pages (H5) ends: decode's past its release timeout, prefill's source pages.
 HOLD_ENDS: dict[str, tuple[str, ...]] = {

@@ -138,9 +138,9 @@ class FaultCluster:
     def catch_mid_transfer(self) -> InFlight:
         return send_mid_transfer(self.cluster, self.ledger_dir, uuid.uuid4().hex, self.slow_switch)
 
-    def send_with_fault(self, fault: str) -> tuple[InFlight, Answer]:
+    def send_with_fault(self, fault: str, wait_s: float = TOLD_WITHIN_S + 10) -> tuple[InFlight, Answer]:
         """One request caught mid-transfer with ``fault`` hitting prefill's transfers; it and
-        decode's answer (status None: none within ``TOLD_WITHIN_S``)."""
+        decode's answer (status None: none within ``wait_s``)."""
         self.fault_file.write_text(fault)
         try:
             req = self.catch_mid_transfer()
@@ -149,7 +149,7 @@ class FaultCluster:
         finally:
             self.fault_file.write_text("")
         assert f"SANDBOX PAGE FAULT {fault}: room {req.room}" in self.cluster.log_tail("prefill", 400)
-        return req, req.answer("decode", timeout_s=TOLD_WITHIN_S + 10)
+        return req, req.answer("decode", timeout_s=wait_s)
 
     def metric(self, role: str, name: str, **labels: str) -> float:
         """``role``'s hardened metric (runtime/metrics.py), as its /metrics serves it."""
@@ -369,6 +369,29 @@ def test_transfer_fails_part_way(fc):
     else:
         assert not _serves_within(fc.cluster, PROBE_S * 3), "upstream served again without its probe"
         restart(fc.cluster, "decode", fc.env)  # what an operator of these releases has to do
+
+
+@on([b for b in BUILDS if b.backend == "mooncake"])
+def test_metadata_that_never_lands(fc):
+    """#28, H13 (the slot leak of upstream #31800): prefill writes the KV and reports Success,
+    but the transfer's metadata (first token, room) goes over Mooncake's TCP aux path in frames
+    decode drops (aux-cut). Upstream's metadata gate then holds the request as Transferring
+    with no bound: no answer, its decode pages held, until a client's abort. Hardened decode
+    ends it once its release timeout has passed since the first hold: 500 naming H13, counted,
+    its pages back, none freed under a write."""
+    hardened_within = SLOW_S + RELEASE_TIMEOUT_S + 10
+    req, ans = fc.send_with_fault("aux-cut", wait_s=hardened_within if fc.hardened else 3 * RELEASE_TIMEOUT_S)
+    if fc.hardened:
+        assert ans.status == 500 and "sglang-hardened H13" in ans.body, ans
+        assert fc.metric("decode", "requests_refused_total", id="H13", reason="metadata_lost") == 1
+    else:
+        assert ans.status is None, ans
+        assert fc.cluster.used_tokens()["decode"] > fc.idle["decode"], "upstream gave the held pages back"
+        fc.abort("decode", req.rid)  # what the client's hang-up would do, so the next case starts idle
+    assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
+    unsafe = fc.unsafe(req.room)
+    _report(fc, "metadata never lands" + ("" if fc.hardened else ", then the client's abort"), req, unsafe)
+    assert not unsafe, "\n".join(map(str, unsafe[:5]))
 
 
 @on(STALL_BUILDS)

@@ -37,6 +37,13 @@ request frees exactly the pages its page table holds.
   own failure path for a batch that broke while it was built. Not a read
   fault: the transfer fails, and the question is what each side does with the
   pages (tests/e2e/test_fault_matrix.py).
+- ``aux-cut`` (prefill, Mooncake transfer worker): the transfer's metadata (first
+  token, room) goes over upstream's TCP aux path (``send_aux_tcp``, which NVLink
+  pools and ``SGLANG_MOONCAKE_SEND_AUX_TCP`` use) in frames whose length field
+  says one byte more than they carry, as a frame cut short would; decode's
+  ``_handle_aux_data`` drops each ("AUX_DATA length mismatch"), while the KV and
+  prefill's Success arrive. Not a read fault: decode's metadata gate holds the
+  request for its row (tests/e2e/test_page_tags.py, H13).
 - ``post-rejected`` (prefill, NIXL transfer worker): NIXL rejects a send's
   post after it put the chunk's first half on the wire. Stand-in for what
   NIXL does below its API: that half is posted from another thread
@@ -59,7 +66,7 @@ import time
 
 
 FILE_ENV = "SANDBOX_PAGE_FAULT_FILE"
-FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early", "fail-part-way", "post-rejected")
+FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early", "fail-part-way", "post-rejected", "aux-cut")
 MIN_PAGES = 16
 SETTLE_S = 30.0  # how long a NIXL fault waits for the half write it posted to settle
 LATE_S = 3.0  # how late post-rejected's half lands: under the release timeout, well after an ack at once
@@ -104,6 +111,36 @@ def failing_part_way(req, send):
         send(session_id, prefill_pages[:half], dst_ptrs, dst_pages[:half], *args, **kwargs)
         return -1
     return call
+
+
+class _Cut(bytes):
+    """A frame's payload whose ``len``, which upstream's sender writes into the length field, is
+    one more than the bytes it carries (ZeroMQ sends the bytes themselves)."""
+
+    def __len__(self) -> int:
+        return super().__len__() + 1
+
+
+class _CuttingFrames:
+    """``manager`` as upstream's ``send_aux_tcp`` sees it, but every frame it sends is cut."""
+
+    def __init__(self, manager):
+        self._manager = manager
+
+    def __getattr__(self, name: str):
+        return getattr(self._manager, name)
+
+    def send_aux_data_to_endpoint(self, *, data: bytes, **frame) -> None:
+        type(self._manager).send_aux_data_to_endpoint(self._manager, data=_Cut(data), **frame)
+
+
+def cutting_aux(req, manager):
+    """Prefill's Mooncake transfer worker: ``send_aux``, or, under ``aux-cut``, upstream's TCP aux
+    path with every frame cut (the call still reports success, as upstream's does)."""
+    if not armed("aux-cut", len(req.dst_kv_indices)):
+        return manager.send_aux
+    _hit("aux-cut", req.room, "metadata frames sent over TCP one byte short of their length field")
+    return lambda *args: type(manager).send_aux_tcp(_CuttingFrames(manager), *args)
 
 
 def _settle(req, agent, handle) -> str:
