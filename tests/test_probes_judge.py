@@ -59,6 +59,12 @@ def test_deferred_release_is_judged_from_what_the_node_says_is_in_effect():
     assert not {f for f in _findings(on_old, on_old) if "deferred" in f[1]}
 
 
+def test_page_tags_switched_off_are_unsafe_on_the_node_that_says_so():
+    off = {"hardening": {**HARDENING, "page_tags": False}}
+    assert _findings(off, {}) == {("unsafe", "H8's page tags are switched off")}
+    assert _findings({"hardening": {**HARDENING, "page_tags": True}}, {}) == set()
+
+
 def test_canary_flags_an_answer_with_another_tenants_canary_probes_included():
     canaries = {"tenant-0": "CANARY-a", "tenant-1": "CANARY-b"}
     clean = [("CANARY-a is mine", Reply(200, (1,), '{"text": "CANARY-a"}', 0.1))]

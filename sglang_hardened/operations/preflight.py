@@ -21,6 +21,7 @@ from packaging.version import InvalidVersion, Version
 
 from ..common.errors import HardenedError
 from ..runtime.identity import INFO_ROUTES
+from ..runtime.page_tags_switch import TAGS_ENV
 from ..runtime.policy import knobs_for
 from ..runtime.startup import DEFERRED_ENV, LIMITS_ROUTE
 
@@ -145,6 +146,9 @@ def judge(nodes: list[Node]) -> list[Finding]:
         elif n.role == "decode" and "not observable" in _deferred_release(n):
             out.append(Finding("warn", where, f"deferred KV release is off by default on {n.base} and cannot be read remotely",
                                f"start with `sglang-hardened launch` or set {DEFERRED_ENV}=1"))
+        if n.hardening.get("page_tags") is False:
+            out.append(Finding("unsafe", where, "H8's page tags are switched off: pages decode reads are not "
+                               "checked against their writer", f"unset {TAGS_ENV} (off is for measuring H8's cost)"))
         if _checksum_recommended(n) and n.get(CHECKSUM_FIELD) is False:
             out.append(Finding("warn", where, "KV checksums are off",
                                f"start both roles with {CHECKSUM_FLAG} (or `sglang-hardened launch`)"))

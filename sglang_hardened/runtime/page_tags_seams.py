@@ -32,6 +32,7 @@ import torch
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
 from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
+from .page_tags_switch import TAGS_ENV, tags_on
 from .page_tags_cost import CostMeter
 
 FRAME_MAGIC = b"sglang-hardened-H8:"
@@ -42,8 +43,16 @@ log = logging.getLogger("sglang_hardened")
 def make_tags(manager) -> TagBuffer | None:
     """Both backends' managers: one tag row per KV page (a pool's pages are a layer's bytes over
     one page's bytes), on the pool's device, set as `manager.hardened_tags`. None without a
-    full-token KV pool (nothing to tag: such transfers are refused on decode)."""
+    full-token KV pool (nothing to tag: such transfers are refused on decode), or with H8 switched
+    off (``TAGS_ENV``: a decode without tags checks nothing, a prefill without them stamps
+    nothing, so a decode with tags refuses its transfers)."""
     args = manager.kv_args
+    if not tags_on():
+        manager.hardened_tags = None
+        log.warning("sglang-hardened H8: page tags OFF on this %s (%s=off): pages decode reads are not "
+                    "checked against their writer; only for measuring H8's cost",
+                    manager.disaggregation_mode.value, TAGS_ENV)
+        return None
     if not args.kv_item_lens:
         return None
     pages = args.kv_data_lens[0] // args.kv_item_lens[0]

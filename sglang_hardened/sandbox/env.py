@@ -252,6 +252,17 @@ def build_env(base: str, wheels: list[Path], overlay: Path) -> SandboxEnv:
     return SandboxEnv(base=base, python=python, path=(ov.site, sglang, *layers))
 
 
+def with_load_generator(env: SandboxEnv) -> SandboxEnv:
+    """``env`` with what SGLang's own load generator imports and no server needs (``datasets``,
+    pins/bench.txt): a layer of its own, after the others, for benchmarks only."""
+    ov = Overlay(default_overlay())
+    pins = PINS / "bench.txt"
+    log = cache_dir() / "logs" / f"build-{env.base}.log"
+    layer = _target(env.python, "layer-bench", _key(pins.read_bytes(), ov.digest(of_sglang=False)),
+                    ["-r", str(pins)], ov, log, None, "the load generator's layer")
+    return SandboxEnv(base=env.base, python=env.python, path=(*env.path, layer))
+
+
 def default_overlay() -> Path:
     """The test tree's CPU stand-ins, found from a source checkout."""
     root = Path(__file__).parents[2] / "tests" / "cpu_overlay"
