@@ -15,7 +15,7 @@ from sglang_hardened.image.build import wheel_manifest
 from sglang_hardened.operations.oracle import Reply
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.sandbox import cluster as sbc
-from sglang_hardened.sandbox.env import SandboxEnv, bases, build_env, wheels_for
+from sglang_hardened.sandbox.env import SandboxEnv, bases, build_env, wheels_for, with_load_generator
 from sglang_hardened.sandbox.model import ensure_model
 from tests.conftest import CLUSTER_START, SERVER_RESTART, SESSION, phase
 
@@ -112,6 +112,11 @@ def _prewarm() -> None:
             sandbox_env(base, hardened, without)
         except BaseException:  # noqa: BLE001 - the test that asks for it gets the error
             pass
+    try:  # the load generator's layer (test_benchmarks.py), shared by every base's environment
+        with phase("env load generator layer"):
+            with_load_generator(sandbox_env(PREWARM[0][0]))
+    except BaseException:  # noqa: BLE001 - as above
+        pass
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,0 +1,283 @@
+"""Hardened against upstream the way SGLang's users measure serving: SGLang's own load
+generator through the load balancer, the arms interleaved in one run, ratios with confidence
+intervals.
+
+    python benchmarks/bench_serving_ab.py --base 0.5.23 --pairs 10 --concurrency 1,4,16 \\
+        --json ab-0.5.23.json --plot docs/performance-0.5.23.png
+    python benchmarks/bench_serving_ab.py --report ab-0.5.23.json     # its table again
+
+Each pair starts one cluster per arm, in a rotated order (so no arm always runs first or
+last), warms it up, and runs `python -m sglang.benchmark.serving` (the base's own, every base
+has it) through mini-lb at each concurrency, with the pair's seed: every arm of a pair gets the
+same prompts. Arms: upstream; upstream again (the A/A arm: what this machine cannot resolve);
+hardened; hardened with H8 switched off (SGLANG_HARDENED_PAGE_TAGS=off: H8's own share).
+Reported per concurrency and metric: the median over pairs of arm/upstream, with a 95 %
+bootstrap interval over pairs, and each role's peak RSS (VmHWM summed over its processes).
+Lower is better for the latencies, higher for the throughputs. Output: a table on stdout,
+``--json`` (every run and every ratio), ``--plot`` (a PNG of the ratios and their intervals).
+
+The dataset is the generator's `random-ids` (no download): input lengths up to
+``--input-len`` and outputs up to ``--output-len`` tokens, both drawn down to
+``--range-ratio`` of that (by default 63-900 and 17-256). Pools hold the context on both
+roles (H7-safe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sglang_hardened.common.table import format_table
+from sglang_hardened.runtime.page_tags_switch import TAGS_ENV
+from sglang_hardened.sandbox.cluster import Cluster, ClusterParams, start
+from sglang_hardened.sandbox.env import build_env, default_overlay, wheels_for, with_load_generator
+from sglang_hardened.sandbox.model import ensure_model
+
+PARAMS = dict(prefill_pool_tokens=4096, decode_pool_tokens=8192, context_length=2048)
+# (key in the generator's result, label); the first two are throughputs (higher is better)
+METRICS = (("request_throughput", "req/s"), ("output_throughput", "output tok/s"),
+           ("mean_ttft_ms", "TTFT mean"), ("p99_ttft_ms", "TTFT p99"), ("mean_itl_ms", "ITL mean"),
+           ("p99_itl_ms", "ITL p99"), ("p99_e2e_latency_ms", "e2e p99"))
+BASELINE = "upstream"
+RESAMPLES = 2000
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One build a run measures: hardened or not, and the servers' extra environment."""
+
+    hardened: bool
+    env: tuple[str, ...] = ()
+
+
+ARMS = {"upstream": Arm(False), "upstream-again": Arm(False), "hardened": Arm(True),
+        "hardened-h8-off": Arm(True, (f"{TAGS_ENV}=off",))}
+
+
+def schedule(arms: list[str], pairs: int) -> list[tuple[int, str]]:
+    """(pair, arm) in the order they run: each pair runs every arm once, the order rotated by
+    one arm per pair, so drift over the run falls on every arm alike."""
+    return [(p, arms[(p + i) % len(arms)]) for p in range(pairs) for i in range(len(arms))]
+
+
+def bootstrap_median(values: list[float], rng: random.Random, resamples: int = RESAMPLES) -> tuple[float, float, float]:
+    """(median, low, high): the median and its 95 % percentile-bootstrap interval."""
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return statistics.median(values), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def ratios(runs: list[dict], arms: list[str], seed: int = 0) -> list[dict]:
+    """Per arm but the baseline, concurrency and metric: arm/baseline over the pairs that ran
+    both, as median and interval."""
+    rng = random.Random(seed)
+    by = {(r["pair"], r["arm"], r["concurrency"]): r["result"] for r in runs}
+    out = []
+    for arm in (a for a in arms if a != BASELINE):
+        for c in sorted({r["concurrency"] for r in runs}):
+            pairs = sorted(p for p, a, cc in by if a == arm and cc == c and (p, BASELINE, c) in by)
+            for key, label in METRICS:
+                values = [by[p, arm, c][key] / by[p, BASELINE, c][key] for p in pairs
+                          if by[p, BASELINE, c].get(key)]
+                if values:
+                    med, lo, hi = bootstrap_median(values, rng)
+                    out.append({"arm": arm, "concurrency": c, "metric": key, "label": label, "pairs": len(values),
+                                "median": med, "low": lo, "high": hi})
+    return out
+
+
+def peak_rss_mib(cluster: Cluster) -> dict[str, float]:
+    """Each server's peak RSS: VmHWM summed over the processes of its process group."""
+    groups = {cluster.procs[role].pid: role for role in ("prefill", "decode")}
+    peak = dict.fromkeys(groups.values(), 0.0)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pgrp = int(stat.read_text().rsplit(")", 1)[1].split()[2])
+            if pgrp in groups:
+                hwm = next(line for line in (stat.parent / "status").read_text().splitlines() if line.startswith("VmHWM"))
+                peak[groups[pgrp]] += int(hwm.split()[1]) / 1024
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue  # a process that ended while read
+    return peak
+
+
+def pin(cluster: Cluster, cores: set[int]) -> None:
+    """Move every thread of both servers onto ``cores``."""
+    pids = {cluster.procs[role].pid for role in ("prefill", "decode")}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) in pids:
+                for task in (stat.parent / "task").iterdir():
+                    os.sched_setaffinity(int(task.name), cores)
+        except (OSError, IndexError, ValueError):
+            continue
+
+
+def load(env, cluster: Cluster, model: Path, args, concurrency: int, prompts: int, seed: int,
+         cores: set[int] | None) -> dict:
+    """One run of the base's own load generator; its result (the JSON line it writes)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.jsonl"
+        cmd = [str(env.python), "-m", "sglang.benchmark.serving", "--backend", "sglang",
+               "--base-url", cluster.lb_url, "--tokenizer", str(model), "--model", str(model),
+               "--dataset-name", "random-ids", "--num-prompts", str(prompts),
+               "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+               "--random-range-ratio", str(args.range_ratio), "--max-concurrency", str(concurrency),
+               "--request-rate", "inf", "--seed", str(seed), "--output-file", str(out), "--disable-tqdm"]
+        done = subprocess.run(cmd, env=env.environ(), capture_output=True, text=True, timeout=3600,
+                              preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+        if done.returncode != 0 or not out.is_file():
+            raise SystemExit(f"the load generator failed ({done.returncode}): {done.stderr[-2000:]}")
+        result = json.loads(out.read_text().splitlines()[-1])
+    if result.get("completed") != prompts:
+        raise SystemExit(f"{result.get('completed')} of {prompts} requests completed: the run is not comparable")
+    return result
+
+
+def one_cluster(base: str, arm: str, args, settings: list[tuple[int, int]], pair: int,
+                cores: tuple[set[int], set[int]] | None) -> list[dict]:
+    """Start the arm's cluster, warm it up, run every setting, stop it."""
+    spec = ARMS[arm]
+    env = with_load_generator(build_env(base, wheels_for(base, spec.hardened), default_overlay()))
+    model = ensure_model(env)
+    cluster = start(env, ClusterParams(base=base, extra_env=spec.env, **PARAMS), model)
+    try:
+        if cores:
+            pin(cluster, cores[0])
+        if args.warmup:
+            load(env, cluster, model, args, max(c for c, _ in settings), args.warmup, args.seed - 1, cores and cores[1])
+        runs = []
+        for concurrency, prompts in settings:
+            result = load(env, cluster, model, args, concurrency, prompts, args.seed + pair, cores and cores[1])
+            runs.append({"pair": pair, "arm": arm, "concurrency": concurrency, "prompts": prompts,
+                         "result": {k: result[k] for k, _ in METRICS} | {"duration": result["duration"]}})
+        rss = peak_rss_mib(cluster)
+        return [r | {"peak_rss_mib": rss} for r in runs]
+    finally:
+        cluster.stop()
+
+
+def resolution(found: list[dict]) -> dict[tuple[int, str], float]:
+    """Per (concurrency, metric): the smallest effect the A/A arm says this rig can tell from
+    noise, as a fraction (the farther end of its interval from 1)."""
+    return {(r["concurrency"], r["metric"]): max(r["high"] - 1, 1 - r["low"])
+            for r in found if r["arm"] == "upstream-again"}
+
+
+def table(found: list[dict], runs: list[dict], arms: list[str]) -> str:
+    shown = [a for a in arms if a != BASELINE]
+    cell = {(r["arm"], r["concurrency"], r["metric"]): f"{r['median']:.3f} [{r['low']:.3f}, {r['high']:.3f}]"
+            for r in found}
+    floor = resolution(found)
+    rows = [(str(c), label, *(cell.get((a, c, key), "-") for a in shown),
+             f"±{100 * floor[c, key]:.1f} %" if (c, key) in floor else "-")
+            for c in sorted({r["concurrency"] for r in runs}) for key, label in METRICS]
+    rss = {a: [r["peak_rss_mib"] for r in runs if r["arm"] == a] for a in arms}
+    for role in ("prefill", "decode"):
+        rows.append(("-", f"peak RSS {role} MiB", *(
+            f"{statistics.median(x[role] for x in rss[a]):.0f} (upstream {statistics.median(x[role] for x in rss[BASELINE]):.0f})"
+            if rss[a] else "-" for a in shown), "-"))
+    return format_table(("concurrency", "metric", *(f"{a}/{BASELINE}" for a in shown), "A/A resolves"), rows)
+
+
+def plot(found: list[dict], path: Path, title: str) -> None:
+    """The ratios and their intervals, one panel per metric, concurrency on the x axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = sorted({r["arm"] for r in found}, key=list(ARMS).index)
+    levels = sorted({r["concurrency"] for r in found})
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(3.2 * len(METRICS), 3.4), sharey=True)
+    for ax, (key, label) in zip(axes, METRICS):
+        for i, arm in enumerate(arms):
+            pts = [r for r in found if r["arm"] == arm and r["metric"] == key]
+            xs = [levels.index(r["concurrency"]) + (i - (len(arms) - 1) / 2) * 0.15 for r in pts]
+            ax.errorbar(xs, [r["median"] for r in pts], capsize=3, fmt="o", label=arm,
+                        yerr=[[r["median"] - r["low"] for r in pts], [r["high"] - r["median"] for r in pts]])
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(levels)), [str(c) for c in levels])
+        ax.set_title(label)
+        ax.set_xlabel("concurrency")
+    axes[0].set_ylabel(f"arm / {BASELINE} (median, 95 % CI)")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="example: python benchmarks/bench_serving_ab.py --base 0.5.23 --pairs 10 "
+                                            "--concurrency 1,4,16 --json ab.json --plot ab.png",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="0.5.23")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
+    parser.add_argument("--pairs", type=int, default=10, help="runs of every arm (default 10)")
+    parser.add_argument("--concurrency", default="1,4,16", help="--max-concurrency settings")
+    parser.add_argument("--prompts", default="16,32,64", help="prompts per run, one per concurrency setting")
+    parser.add_argument("--warmup", type=int, default=8, help="prompts run and discarded on each fresh cluster")
+    parser.add_argument("--input-len", type=int, default=900)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--range-ratio", type=float, default=0.07)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--pin", default="", help="SERVER_CORES:GENERATOR_CORES, e.g. 0-13:14-15 (default: no pinning)")
+    parser.add_argument("--json", type=Path, help="write every run and ratio here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of the ratios here")
+    parser.add_argument("--report", type=Path, metavar="JSON",
+                        help="print the table (and --plot) of a run's --json again, without running")
+    args = parser.parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        print(f"{saved['base']}, {saved['date']}, {saved['cores']} cores: {saved['command']}")
+        print(table(saved["ratios"], saved["runs"], saved["arms"]))
+        if args.plot:
+            plot(saved["ratios"], args.plot, f"{saved['base']}: {saved['command']}")
+        return
+    arms = [a.strip() for a in args.arms.split(",")]
+    if unknown := [a for a in arms if a not in ARMS] + ([] if BASELINE in arms else [f"(no {BASELINE})"]):
+        parser.error(f"--arms: {', '.join(unknown)}; choose from {', '.join(ARMS)} including {BASELINE}")
+    levels, prompts = _ints(args.concurrency), _ints(args.prompts)
+    if len(levels) != len(prompts) or args.pairs < 1 or min(levels + prompts) < 1 or args.warmup < 0:
+        parser.error("--prompts needs one positive count per --concurrency setting, --pairs at least 1, "
+                     "--warmup at least 0")
+    cores = None
+    if args.pin:
+        spans = [{c for part in side.split(",") for c in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)}
+                 for side in args.pin.split(":")]
+        cores = (spans[0], spans[1])
+
+    runs: list[dict] = []
+    order = schedule(arms, args.pairs)
+    began = time.monotonic()
+    for i, (pair, arm) in enumerate(order, 1):
+        print(f"[{i}/{len(order)}] pair {pair + 1} {arm} ({time.monotonic() - began:.0f} s)", file=sys.stderr, flush=True)
+        runs += one_cluster(args.base, arm, args, list(zip(levels, prompts)), pair, cores)
+    found = ratios(runs, arms, args.seed)
+    print(f"{args.base}, {args.pairs} pairs, {os.cpu_count()} cores; median of arm/{BASELINE} over pairs [95 % CI]")
+    print(table(found, runs, arms))
+    command = " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])
+    if args.json:
+        args.json.write_text(json.dumps({"base": args.base, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                         "command": command, "cores": os.cpu_count(), "arms": arms, "runs": runs,
+                                         "ratios": found}, indent=1))
+    if args.plot:
+        plot(found, args.plot, f"{args.base}: {command}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The cluster benchmarks on a tiny setting, so they do not rot: a run, not a measurement (the
+figures are in docs/performance.md). Cost: two cluster starts and four short load runs, about
+70 s on CI's machine."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CLUSTER_START, phase
+
+pytestmark = pytest.mark.e2e
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_serving_ab_writes_its_table_json_and_plot_from_one_run(monkeypatch, tmp_path, capsys):
+    """Upstream and hardened with H8 switched off (the arm that exercises the switch end to
+    end: its servers serve every request), one pair, SGLang's own load generator."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_serving_ab as ab
+
+    def counted_start(env, params, model):
+        with phase(f"{CLUSTER_START} {params.base} (benchmark)"):
+            return start(env, params, model)
+
+    start = ab.start
+    monkeypatch.setattr(ab, "start", counted_start)
+    ab.main(["--base", "0.5.23", "--arms", "upstream,hardened-h8-off", "--pairs", "1", "--concurrency", "2",
+             "--prompts", "4", "--warmup", "0", "--input-len", "128", "--output-len", "16",
+             "--json", str(tmp_path / "ab.json"), "--plot", str(tmp_path / "ab.png")])
+    out = capsys.readouterr().out
+    assert "hardened-h8-off/upstream" in out and "peak RSS decode MiB" in out
+    data = json.loads((tmp_path / "ab.json").read_text())
+    assert [(r["arm"], r["result"]["request_throughput"] > 0) for r in data["runs"]] == [
+        ("upstream", True), ("hardened-h8-off", True)]
+    assert {r["metric"] for r in data["ratios"]} == {key for key, _ in ab.METRICS}
+    assert all(math.isfinite(r["median"]) and r["median"] > 0 for r in data["ratios"])
+    assert (tmp_path / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
