@@ -19,13 +19,16 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def test_serving_ab_writes_its_table_json_and_plot_from_one_run(monkeypatch, tmp_path, capsys):
     """Upstream and hardened with H8 switched off (the arm that exercises the switch end to
-    end: its servers serve every request), one pair, SGLang's own load generator."""
+    end: its servers say so and serve every request), one pair, SGLang's own load generator."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_serving_ab as ab
 
+    started = []
+
     def counted_start(env, params, model):
         with phase(f"{CLUSTER_START} {params.base} (benchmark)"):
-            return start(env, params, model)
+            started.append(start(env, params, model))
+            return started[-1]
 
     start = ab.start
     monkeypatch.setattr(ab, "start", counted_start)
@@ -40,3 +43,5 @@ def test_serving_ab_writes_its_table_json_and_plot_from_one_run(monkeypatch, tmp
     assert {r["metric"] for r in data["ratios"]} == {key for key, _ in ab.METRICS}
     assert all(math.isfinite(r["median"]) and r["median"] > 0 for r in data["ratios"])
     assert (tmp_path / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    off = {c.params.extra_env: Path(c.procs["decode"].log).read_text() for c in started}
+    assert "page tags OFF on this decode" in off[(f"{ab.TAGS_ENV}=off",)] and "page tags OFF" not in off[()]
