@@ -28,8 +28,18 @@ class Switch(StrEnum):
     H8 = "H8"  # page ownership tags checked before decode reads
     H13 = "H13"  # the metadata gate's hold on a Success ends at the release timeout
 
-    def __lt__(self, other: str) -> bool:  # catalogue order (H8 before H13), for every listing
+    # catalogue order (H8 before H13) for sorted(), max() and every listing, not the strings'
+    def __lt__(self, other: str) -> bool:
         return int(self[1:]) < int(other[1:])
+
+    def __gt__(self, other: str) -> bool:
+        return int(self[1:]) > int(other[1:])
+
+    def __le__(self, other: str) -> bool:
+        return int(self[1:]) <= int(other[1:])
+
+    def __ge__(self, other: str) -> bool:
+        return int(self[1:]) >= int(other[1:])
 
 
 ALL = frozenset(Switch)
@@ -38,7 +48,8 @@ ALL = frozenset(Switch)
 #: 0.5.20 retires an aborted prefill after its forward (H2 for intake
 #: errors) but decode is not told; 0.5.21 adds admission rejection and
 #: turns deferred release on by default. No release bounds batches by
-#: default, checks coverage or tags, or pushes prefill failures to decode.
+#: default, checks coverage or tags, pushes prefill failures to decode, or
+#: ends the metadata gate's hold on a Success whose row never lands (H13).
 UPSTREAM: dict[str, frozenset[Switch]] = {
     "0.5.19": frozenset(),
     "0.5.20": frozenset({Switch.H2}),
@@ -133,7 +144,8 @@ COVERED_BY: dict[Switch, tuple[frozenset[Switch], str]] = {
 #: The bounds. Pool of 4 pages, FIFO free list, every page warm with an
 #: earlier tenant's KV; 2 requests per scenario, each its own tenant; one
 #: page per chunk; one transfer lane; at most 2 faults (client disconnect,
-#: transport failure, crash of either node) per run. Timeouts fire
+#: transport failure, a metadata row lost after Success, crash of either
+#: node) per run. Timeouts fire
 #: whenever their guard allows.
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(

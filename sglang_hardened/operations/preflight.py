@@ -148,7 +148,9 @@ def judge(nodes: list[Node]) -> list[Finding]:
                                f"start with `sglang-hardened launch` or set {DEFERRED_ENV}=1"))
         if n.hardening.get("page_tags") is False:
             out.append(Finding("unsafe", where, "H8's page tags are switched off: pages decode reads are not "
-                               "checked against their writer", f"unset {TAGS_ENV} (off is for measuring H8's cost)"))
+                               "checked against their writer (a decode with tags refuses every transfer from a "
+                               "prefill without them)", f"unset {TAGS_ENV} on every node (off is for measuring "
+                               "H8's cost)"))
         if _checksum_recommended(n) and n.get(CHECKSUM_FIELD) is False:
             out.append(Finding("warn", where, "KV checksums are off",
                                f"start both roles with {CHECKSUM_FLAG} (or `sglang-hardened launch`)"))

@@ -43,7 +43,7 @@ request frees exactly the pages its page table holds.
   says one byte more than they carry, as a frame cut short would; decode's
   ``_handle_aux_data`` drops each ("AUX_DATA length mismatch"), while the KV and
   prefill's Success arrive. Not a read fault: decode's metadata gate holds the
-  request for its row (tests/e2e/test_page_tags.py, H13).
+  request for its row (tests/e2e/test_fault_matrix.py, H13).
 - ``post-rejected`` (prefill, NIXL transfer worker): NIXL rejects a send's
   post after it put the chunk's first half on the wire. Stand-in for what
   NIXL does below its API: that half is posted from another thread
