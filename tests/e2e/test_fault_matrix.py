@@ -146,9 +146,13 @@ class FaultCluster:
             req = self.catch_mid_transfer()
             req.read_answers(120)
             wait_for(self.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
+            # a fault hooked after the write (aux-cut, at the metadata send) reads the switch later
+            hit, deadline = f"SANDBOX PAGE FAULT {fault}: room {req.room}", time.monotonic() + 30
+            while hit not in self.cluster.log_tail("prefill", 400) and time.monotonic() < deadline:
+                time.sleep(0.1)
         finally:
             self.fault_file.write_text("")
-        assert f"SANDBOX PAGE FAULT {fault}: room {req.room}" in self.cluster.log_tail("prefill", 400)
+        assert hit in self.cluster.log_tail("prefill", 400)
         return req, req.answer("decode", timeout_s=wait_s)
 
     def metric(self, role: str, name: str, **labels: str) -> float:
@@ -371,7 +375,8 @@ def test_transfer_fails_part_way(fc):
         restart(fc.cluster, "decode", fc.env)  # what an operator of these releases has to do
 
 
-@on([b for b in BUILDS if b.backend == "mooncake"])
+# Upstream's gate is the same code on every base: CI shows its hold on 0.5.23.
+@on([b for b in BUILDS if b.backend == "mooncake" and (b.hardened or FULL_MATRIX or b.base == "0.5.23")])
 def test_metadata_that_never_lands(fc):
     """#28, H13 (the slot leak of upstream #31800): prefill writes the KV and reports Success,
     but the transfer's metadata (first token, room) goes over Mooncake's TCP aux path in frames
@@ -380,7 +385,7 @@ def test_metadata_that_never_lands(fc):
     ends it once its release timeout has passed since the first hold: 500 naming H13, counted,
     its pages back, none freed under a write."""
     hardened_within = SLOW_S + RELEASE_TIMEOUT_S + 10
-    req, ans = fc.send_with_fault("aux-cut", wait_s=hardened_within if fc.hardened else 3 * RELEASE_TIMEOUT_S)
+    req, ans = fc.send_with_fault("aux-cut", wait_s=hardened_within)
     if fc.hardened:
         assert ans.status == 500 and "sglang-hardened H13" in ans.body, ans
         assert fc.metric("decode", "requests_refused_total", id="H13", reason="metadata_lost") == 1

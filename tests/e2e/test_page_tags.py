@@ -23,6 +23,7 @@ from .conftest import sandbox_env
 from .scenarios import (
     DEPTH,
     FITTING_C,
+    FULL_MATRIX,
     HEARTBEAT,
     LEAK_PARAMS,
     OVERSIZED_B,
@@ -44,6 +45,9 @@ faults = overlay_module("sgl_faults")  # injected page faults, in upstream and h
 FAULTS = {("0.5.23", "mooncake"): ("drop-last-page", "page-reused-early"), ("0.5.19", "mooncake"): ("stale-page-index",),
           ("0.5.23", "nixl"): ("stale-page-index",)}
 FAIL_CLOSED = ("0.5.19", "mooncake")  # its decode fails closed (its one fault is the last)
+# Upstream reads what each fault leaves on Mooncake in CI (every fault kind once); on NIXL (the
+# same decode-side fault, the same read) in the full matrix.
+UPSTREAM_FAULTS = [pair for pair in FAULTS if FULL_MATRIX or pair[1] == "mooncake"]
 # 17 one-token pages: over the faults' 16-page floor, and short enough that the one page
 # a fault hits moves the tiny model's output (an 80-token probe hides a page or two).
 FAULT_PROBE = prompt_of(17)
@@ -51,8 +55,11 @@ FAULT_PROBE = prompt_of(17)
 
 # 0.5.19's paged allocator needs Triton (no CPU path) for pages over one token. NIXL writes the
 # tags two ways: joined to the chunk's handles (0.5.23) or waited for before the KV (0.5.19-0.5.22).
+# 0.5.23 NIXL with 16-token pages runs in the full matrix: CI has 16-token pages on Mooncake,
+# 0.5.19's NIXL path here, and 0.5.23's NIXL path in the injected faults below.
 @pytest.mark.parametrize("base,page_size,backend", [("0.5.19", 1, "mooncake"), ("0.5.23", 16, "mooncake"),
-                                                    ("0.5.23", 16, "nixl"), ("0.5.19", 1, "nixl")])
+                                                    *([("0.5.23", 16, "nixl")] if FULL_MATRIX else []),
+                                                    ("0.5.19", 1, "nixl")])
 def test_h8_refuses_pages_a_truncated_transfer_left_unwritten(start_cluster, base, page_size, backend):
     """Prefill truncates the prompt and sends fewer pages than decode reads: the pages it did
     not send carry no tag of this request's, so decode refuses it; a fitting prompt is served,
@@ -111,7 +118,7 @@ def test_h8_refuses_injected_faults(start_cluster, tmp_path, base, backend):
         assert wait_pages_idle(cluster, idle) == idle
 
 
-@pytest.mark.parametrize("base,backend", FAULTS)
+@pytest.mark.parametrize("base,backend", UPSTREAM_FAULTS)
 def test_upstream_output_depends_on_other_requests_under_injected_faults(start_cluster, tmp_path, base, backend):
     """The same faults on upstream: every request is answered 200, and the probe's output
     changes with the history of other tenants' requests before it (the differential oracle:
