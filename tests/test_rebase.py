@@ -8,7 +8,7 @@ import pytest
 
 from sglang_hardened.pipeline.build import build
 from sglang_hardened.pipeline.lock import load_lock
-from sglang_hardened.pipeline.rebase import APPLIES, CONFLICT, MERGED, OFFSET, UPSTREAM, rebase, write_series
+from sglang_hardened.pipeline.rebase import CONFLICT, MERGED, OFFSET, UPSTREAM, rebase, write_series
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.pipeline.verify import verify_base
 
