@@ -25,6 +25,7 @@ roles (H7-safe).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -41,8 +42,10 @@ from pathlib import Path
 from sglang_hardened.common.table import format_table
 from sglang_hardened.runtime.page_tags_switch import TAGS_ENV
 from sglang_hardened.sandbox.cluster import Cluster, ClusterParams, start
-from sglang_hardened.sandbox.env import build_env, default_overlay, wheels_for, with_load_generator
+from sglang_hardened.sandbox.env import SandboxEnv, build_env, default_overlay, wheels_for, with_load_generator
 from sglang_hardened.sandbox.model import ensure_model
+from sglang_hardened.sandbox.soak.faults import group_pids
+from sglang_hardened.sandbox.soak.run import rss_mib
 
 PARAMS = dict(prefill_pool_tokens=4096, decode_pool_tokens=8192, context_length=2048)
 # (key in the generator's result, label); the first two are throughputs (higher is better)
@@ -104,36 +107,19 @@ def ratios(runs: list[dict], arms: list[str]) -> list[dict]:
     return out
 
 
-def peak_rss_mib(cluster: Cluster) -> dict[str, float]:
-    """Each server's peak RSS: VmHWM summed over the processes of its process group."""
-    groups = {cluster.procs[role].pid: role for role in ("prefill", "decode")}
-    peak = dict.fromkeys(groups.values(), 0.0)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            pgrp = int(stat.read_text().rsplit(")", 1)[1].split()[2])
-            if pgrp in groups:
-                hwm = next(line for line in (stat.parent / "status").read_text().splitlines() if line.startswith("VmHWM"))
-                peak[groups[pgrp]] += int(hwm.split()[1]) / 1024
-        except (OSError, StopIteration, IndexError, ValueError):
-            continue  # a process that ended while read
-    return peak
-
-
 def pin(cluster: Cluster, cores: set[int]) -> None:
     """Move every thread of both servers onto ``cores``."""
-    pids = {cluster.procs[role].pid for role in ("prefill", "decode")}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) not in pids:
-                continue
-            tasks = list((stat.parent / "task").iterdir())
-        except (OSError, IndexError, ValueError):
-            continue  # a process that ended while read
-        for task in tasks:
+    for role in ("prefill", "decode"):
+        for pid in group_pids(cluster.procs[role].pid):
             try:
-                os.sched_setaffinity(int(task.name), cores)
+                tasks = list(Path(f"/proc/{pid}/task").iterdir())
             except OSError:
-                continue  # a thread that ended
+                continue  # a process that ended while read
+            for task in tasks:
+                try:
+                    os.sched_setaffinity(int(task.name), cores)
+                except OSError:
+                    continue  # a thread that ended
 
 
 def load(env, cluster: Cluster, model: Path, args, concurrency: int, prompts: int, seed: int,
@@ -160,12 +146,19 @@ def load(env, cluster: Cluster, model: Path, args, concurrency: int, prompts: in
     return result
 
 
+@functools.cache
+def environment(base: str, hardened: bool) -> tuple[SandboxEnv, Path]:
+    """The build's environment with the load generator, and its model: resolved once a run (a
+    wheel is hashed to find its cached environment), not once a cluster."""
+    env = with_load_generator(build_env(base, wheels_for(base, hardened), default_overlay()))
+    return env, ensure_model(env)
+
+
 def one_cluster(base: str, arm: str, args, settings: list[tuple[int, int]], pair: int,
                 cores: tuple[set[int], set[int]] | None) -> list[dict]:
     """Start the arm's cluster, warm it up, run every setting, stop it."""
     spec = ARMS[arm]
-    env = with_load_generator(build_env(base, wheels_for(base, spec.hardened), default_overlay()))
-    model = ensure_model(env)
+    env, model = environment(base, spec.hardened)
     cluster = start(env, ClusterParams(base=base, extra_env=spec.env, **PARAMS), model)
     try:
         if cores:
@@ -177,7 +170,7 @@ def one_cluster(base: str, arm: str, args, settings: list[tuple[int, int]], pair
             result = load(env, cluster, model, args, concurrency, prompts, args.seed + pair, cores and cores[1])
             runs.append({"pair": pair, "arm": arm, "concurrency": concurrency, "prompts": prompts,
                          "result": {k: result[k] for k, _ in METRICS} | {"duration": result["duration"]}})
-        rss = peak_rss_mib(cluster)
+        rss = {role: rss_mib(cluster.procs[role].pid, "VmHWM") for role in ("prefill", "decode")}
         return [r | {"peak_rss_mib": rss} for r in runs]
     finally:
         cluster.stop()

@@ -26,15 +26,16 @@ HANG_MARGIN_S = 5.0  # a client gives up this long after its bound: its request 
 MAX_WAIT_BOUNDS = 4  # however the faults stack, no client waits longer than this many bounds
 
 
-def rss_mib(leader: int) -> float:
-    """Resident memory of a server's whole process group."""
+def rss_mib(leader: int, field: str = "VmRSS") -> float:
+    """Resident memory of a server's whole process group: now (VmRSS), or each process's peak
+    summed (VmHWM)."""
     total_kib = 0
     for pid in group_pids(leader):
         try:
             status = open(f"/proc/{pid}/status").read()
         except OSError:
             continue
-        total_kib += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        total_kib += next((int(line.split()[1]) for line in status.splitlines() if line.startswith(f"{field}:")), 0)
     return total_kib / 1024
 
 
