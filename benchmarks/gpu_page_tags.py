@@ -1,7 +1,8 @@
 """H8 page tags at serving sizes: allocate, stamp and check one decode batch on the pool's device.
 
     python benchmarks/gpu_page_tags.py                 # CUDA: 1M-token pool, page 64, batch 256
-    python benchmarks/gpu_page_tags.py --device cpu --pool-tokens 65536
+    python benchmarks/gpu_page_tags.py --device cpu --pool-tokens 65536   # CPU's numpy path
+    python benchmarks/gpu_page_tags.py --device cpu --pool-tokens 65536 --path torch
 
 Each request gets pages_per_request pages (default: the pool shared evenly by
 the batch) as its own int32 index tensor on the device, as SGLang's page
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_hardened.common.table import format_table
-from sglang_hardened.runtime.page_tags import DecodePageTags, TagBuffer
+from sglang_hardened.runtime.page_tags import ROW_PATHS, DecodePageTags, TagBuffer, row_path
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,13 @@ def _timed(device: torch.device, work) -> float:
 
 
 def measure(device: torch.device, pool_tokens: int, page_size: int, batch: int,
-            pages_per_request: int | None = None, repeat: int = 5) -> Measurement:
-    """Median costs of one batch's tag work; raises if a clean batch is refused."""
+            pages_per_request: int | None = None, repeat: int = 5, path: str | None = None) -> Measurement:
+    """Median costs of one batch's tag work on the device's row path (or `path`); raises if a
+    clean batch is refused."""
     num_pages = pool_tokens // page_size
     per = pages_per_request or num_pages // batch
-    decode = DecodePageTags(num_pages, device, fail_closed=False)
-    prefill = TagBuffer(num_pages, device)
+    decode = DecodePageTags(num_pages, device, fail_closed=False, path=path)
+    prefill = TagBuffer(num_pages, device, path=path)
     gen = torch.Generator().manual_seed(0)
     rooms = torch.randint(0, 2**63 - 1, (batch,), generator=gen).tolist()
     times: list[tuple[float, float, float, float]] = []
@@ -106,12 +108,14 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--path", choices=tuple(ROW_PATHS), help="row operations (default: numpy on CPU, torch elsewhere)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    measure(device, args.pool_tokens, args.page_size, args.batch, repeat=2)  # warm-up: kernels, allocator
-    m = measure(device, args.pool_tokens, args.page_size, args.batch, repeat=args.repeat)
+    measure(device, args.pool_tokens, args.page_size, args.batch, repeat=2, path=args.path)  # warm-up: kernels, allocator
+    m = measure(device, args.pool_tokens, args.page_size, args.batch, repeat=args.repeat, path=args.path)
     print(f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'host'}), "
-          f"pool {args.pool_tokens} tokens, page {args.page_size}, batch {m.batch} x {m.pages_per_request} pages")
+          f"{row_path(device, args.path)} path, pool {args.pool_tokens} tokens, page {args.page_size}, "
+          f"batch {m.batch} x {m.pages_per_request} pages")
     print(report(m))
 
 

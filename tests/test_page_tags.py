@@ -6,7 +6,8 @@ layer's item does); the tag logic under test is the real module. Two oracles:
 a reference model of the rule ("allowed exactly when every page's last write
 since it was last allocated or released carries the reader's current room and
 epoch"), and the ground truth of who wrote each page's data, which an allowed
-read must never contradict.
+read must never contradict. Every behavioural test runs on both row paths
+(torch, which CUDA runs; numpy, which CPU runs), on CPU tensors.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_hardened.runtime.page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
+from sglang_hardened.runtime.page_tags import ROW_PATHS, FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
 from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV, CostMeter, read_cost_lines
 from sglang_hardened.runtime.policy import load_limits
 
 DECODE_PAGES = 12
 PREFILL_PAGES = 6
 Tag = tuple[int, int]
+both_paths = pytest.mark.parametrize("path", tuple(ROW_PATHS))
 
 
 def transfer(prefill: TagBuffer, decode: DecodePageTags, src: list[int], dst: list[int]) -> None:
@@ -48,8 +50,9 @@ class Req:
 
 @dataclass
 class Harness:
-    decode: DecodePageTags = field(default_factory=lambda: DecodePageTags(DECODE_PAGES, fail_closed=False))
-    prefill: TagBuffer = field(default_factory=lambda: TagBuffer(PREFILL_PAGES))
+    path: str
+    decode: DecodePageTags = field(init=False)
+    prefill: TagBuffer = field(init=False)
     free: list[int] = field(default_factory=lambda: list(range(DECODE_PAGES)))
     live: dict[int, Req] = field(default_factory=dict)
     gone: list[Req] = field(default_factory=list)  # released; their transfers may still land
@@ -61,6 +64,10 @@ class Harness:
     ref_expected: dict[int, int] = field(default_factory=dict)
     written_by: dict[int, Tag | None] = field(default_factory=dict)
     failed_checks: int = 0
+
+    def __post_init__(self) -> None:
+        self.decode = DecodePageTags(DECODE_PAGES, fail_closed=False, path=self.path)
+        self.prefill = TagBuffer(PREFILL_PAGES, path=self.path)
 
     def allocate(self, room: int, size: int, src_seed: int) -> None:
         if len(self.free) < size:
@@ -122,11 +129,12 @@ OPS = ("new",) * 4 + ("send",) * 4 + ("check",) * 3 + (
     "resume", "check_gone", "finish", "abort", "retract", "late_write", "stale_index", "reuse_early")
 
 
+@both_paths
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 2**16), st.integers(0, 2**16)),
                 min_size=4, max_size=60))
-def test_a_read_is_allowed_exactly_when_every_page_carries_the_readers_current_tag(ops):
-    h = Harness()
+def test_a_read_is_allowed_exactly_when_every_page_carries_the_readers_current_tag(path, ops):
+    h = Harness(path)
     for op, a, b in ops:
         live = list(h.live.values())
         req = live[a % len(live)] if live else None
@@ -156,8 +164,9 @@ def test_a_read_is_allowed_exactly_when_every_page_carries_the_readers_current_t
         h.check(req)
 
 
-def test_a_complete_transfer_passes_and_nothing_else_does():
-    h = Harness()
+@both_paths
+def test_a_complete_transfer_passes_and_nothing_else_does(path):
+    h = Harness(path)
     h.new_request(DECODE_PAGES, 0)  # the whole pool, so a resumed request gets the same pages
     [req] = h.live.values()
     assert h.decode.check(req.room, req.table) is not None  # allocated, not yet written
@@ -175,8 +184,9 @@ def test_a_complete_transfer_passes_and_nothing_else_does():
     assert h.decode.check(back.room, back.table) is None
 
 
-def test_a_page_given_back_by_its_owner_stops_vouching_for_a_stale_reader():
-    h = Harness()
+@both_paths
+def test_a_page_given_back_by_its_owner_stops_vouching_for_a_stale_reader(path):
+    h = Harness(path)
     h.new_request(2, 0)
     h.new_request(2, 1)
     owner, stale = h.live.values()
@@ -188,8 +198,9 @@ def test_a_page_given_back_by_its_owner_stops_vouching_for_a_stale_reader():
     assert h.decode.check(stale.room, stale.table) is not None
 
 
-def test_a_released_room_is_refused_even_when_its_late_transfer_lands():
-    h = Harness()
+@both_paths
+def test_a_released_room_is_refused_even_when_its_late_transfer_lands(path):
+    h = Harness(path)
     h.new_request(2, 0)
     [req] = h.live.values()
     h.release(req, retract=False)  # aborted while its transfer was in flight
@@ -197,8 +208,9 @@ def test_a_released_room_is_refused_even_when_its_late_transfer_lands():
     assert h.decode.check(req.room, req.table) is not None
 
 
-def test_mismatch_message_names_room_and_page_count(caplog):
-    tags = DecodePageTags(8, fail_closed=False)
+@both_paths
+def test_mismatch_message_names_room_and_page_count(caplog, path):
+    tags = DecodePageTags(8, fail_closed=False, path=path)
     epoch = tags.allocate(42, [0, 1, 2, 3])
     tags.buffer.stamp([0, 1], 42, epoch)
     with caplog.at_level(logging.ERROR, logger="sglang_hardened"):
@@ -207,6 +219,28 @@ def test_mismatch_message_names_room_and_page_count(caplog):
     assert message in caplog.text
     assert (tags.mismatched_requests, tags.mismatched_pages) == (1, 2)
     assert tags.check(42, []) is not None  # nothing checked is no proof
+
+
+@both_paths
+@pytest.mark.parametrize("page", [-1, 8])
+def test_a_page_index_outside_the_pool_raises_on_either_path(path, page):
+    """No path may read another page's row for an index outside the pool. Writes: numpy would
+    wrap -1 round to the last page, so the CPU path refuses it; torch's `index_fill_` wraps it
+    as Python does (a check on a GPU would cost a sync), which only SGLang's own allocator, never
+    a client, could hand it."""
+    tags = DecodePageTags(8, fail_closed=False, path=path)
+    tags.buffer.stamp([7], 3, 1)
+    writes = (lambda: tags.allocate(3, [page]), lambda: tags.buffer.stamp([0, page], 3, 1))
+    for op in (lambda: tags.check(3, [page]), *(writes if page >= 0 or path == "numpy" else ())):
+        with pytest.raises(IndexError):
+            op()
+    assert tags.buffer.rows[7].tolist() == [3, 1]  # the last page untouched
+
+
+def test_cpu_rows_take_the_numpy_path_and_a_gpu_path_cannot_be_numpy():
+    assert TagBuffer(4).path == "numpy" and TagBuffer(4, path="torch").path == "torch"
+    with pytest.raises(ValueError, match="cannot run on meta"):
+        TagBuffer(4, device="meta", path="numpy")
 
 
 @pytest.mark.parametrize("env, fail_closed", [("1", True), ("0", False), (None, False)])
@@ -226,8 +260,9 @@ def test_fail_closed_stops_admission_after_a_mismatch(monkeypatch, env, fail_clo
         tags.admit()
 
 
-def test_buf_info_is_what_a_transfer_engine_registers():
-    buffer = TagBuffer(10)
+@both_paths
+def test_buf_info_is_what_a_transfer_engine_registers(path):
+    buffer = TagBuffer(10, path=path)
     ptr, nbytes, item_len = buffer.buf_info()
     assert (ptr, nbytes, item_len) == (buffer.rows.data_ptr(), 10 * 16, 16)
     buffer.stamp([3], 2**63 - 1, 9)  # the largest room SGLang draws

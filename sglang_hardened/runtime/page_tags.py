@@ -16,7 +16,10 @@ no request carries (rooms are non-negative; epochs start at 1). Decode never
 stamps its own rows: only data that travelled can vouch for itself.
 
 The check is O(pages) integer work in one vectorised compare, on the KV
-pool's device, and one device-to-host sync per request.
+pool's device, and one device-to-host sync per request. Two implementations
+of the row operations share the rows' memory and one test suite: torch ops on
+a GPU (what `benchmarks/gpu_page_tags.py` measures), numpy views on CPU, where
+each torch call's fixed dispatch cost is most of the work (docs/page-tags.md).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import metrics
@@ -37,7 +41,102 @@ FAIL_CLOSED_ENV = "SGLANG_HARDENED_PAGE_TAGS_FAIL_CLOSED"
 
 log = logging.getLogger("sglang_hardened")
 
-Pages = torch.Tensor | Sequence[int]
+Pages = torch.Tensor | np.ndarray | Sequence[int]
+Index = torch.Tensor | np.ndarray  # page indices in the form one row path takes
+
+
+class TorchRows:
+    """The row operations as torch ops on the rows' device: what CUDA runs (no host round trip
+    but the check's one sync)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+        # Made once, not per call: slicing the (room, epoch) columns per stamp would cost an op each.
+        self._rooms, self._epochs = rows.unbind(1)
+
+    def index(self, pages: Pages) -> torch.Tensor:
+        """Page indices as an int64 tensor on the rows' device (no copy if already one):
+        `index_fill_` takes nothing narrower."""
+        return torch.as_tensor(pages, dtype=torch.int64, device=self.rows.device)
+
+    def gather_index(self, pages: Pages) -> torch.Tensor:
+        """Page indices for `index_select`, which takes SGLang's int32 page tables as they are:
+        a tensor already fit is not touched (a conversion is one more torch call per request)."""
+        if isinstance(pages, torch.Tensor) and pages.dtype in (torch.int32, torch.int64) \
+                and pages.device == self.rows.device:
+            return pages
+        return self.index(pages)
+
+    def fill(self, idx: torch.Tensor, room: int, epoch: int) -> None:
+        # Two scalar fills, not one index_put_ of a (room, epoch) row: the row would be a host
+        # tensor per call (an H2D copy that syncs on CUDA).
+        self._rooms.index_fill_(0, idx, room)
+        self._epochs.index_fill_(0, idx, epoch)
+
+    def clear(self, idx: torch.Tensor) -> None:
+        self.rows.index_fill_(0, idx, UNSTAMPED)
+
+    def bad_pages(self, idx: torch.Tensor, room: int, epoch: int) -> int:
+        """Pages among `idx` whose row is not (room, epoch): 0 in one gather, one compare and
+        one sync; only a refusal pays for counting."""
+        got = self.rows.index_select(0, idx)
+        expect = torch.tensor([room, epoch], device=self.rows.device)
+        if torch.equal(got, expect.expand_as(got)):
+            return 0
+        return int(got.ne(expect).any(dim=1).sum())
+
+
+class NumpyRows:
+    """The same operations on numpy views of CPU rows: about 1 us a call where a torch call
+    costs several, and SGLang hands CPU page indices over as numpy arrays already. A row is
+    written as one 16-byte item (`np.put` on a void view), not as two columns: half the passes
+    over scattered rows, which is what the work costs once the pages are many."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+        self._view = rows.numpy()  # the same memory: what the transfer engine reads and writes
+        self._items = self._view.view(np.dtype((np.void, TAG_WORDS * 8))).ravel()  # one item per row
+        self._unstamped = self._item(UNSTAMPED, UNSTAMPED)
+
+    @staticmethod
+    def _item(room: int, epoch: int) -> np.void:
+        return np.array([room, epoch], dtype=np.int64).view(np.dtype((np.void, TAG_WORDS * 8)))[0]
+
+    def index(self, pages: Pages) -> np.ndarray:
+        """Page indices as a numpy index array; a negative one raises, as torch's gather does
+        (numpy would wrap it round to another page)."""
+        idx = np.asarray(pages.numpy() if isinstance(pages, torch.Tensor) else pages, dtype=np.intp)
+        if len(idx) and idx.min() < 0:
+            raise IndexError(f"page index {int(idx.min())} is out of range for {len(self._view)} tag rows")
+        return idx
+
+    gather_index = index
+
+    def fill(self, idx: np.ndarray, room: int, epoch: int) -> None:
+        np.put(self._items, idx, self._item(room, epoch))
+
+    def clear(self, idx: np.ndarray) -> None:
+        np.put(self._items, idx, self._unstamped)
+
+    def bad_pages(self, idx: np.ndarray, room: int, epoch: int) -> int:
+        """Pages among `idx` whose row is not (room, epoch): a gather and one compare; only a
+        refusal pays for counting."""
+        got = np.take(self._view, idx, axis=0)
+        expect = np.array([room, epoch], dtype=np.int64)
+        if (got == expect).all():
+            return 0
+        return int(np.count_nonzero((got != expect).any(axis=1)))
+
+
+ROW_PATHS: dict[str, type[TorchRows] | type[NumpyRows]] = {"torch": TorchRows, "numpy": NumpyRows}
+
+
+def row_path(device: torch.device, path: str | None) -> str:
+    """numpy on CPU, torch elsewhere, unless a test or benchmark names one (numpy only on CPU)."""
+    chosen = path or ("numpy" if device.type == "cpu" else "torch")
+    if chosen not in ROW_PATHS or (chosen == "numpy" and device.type != "cpu"):
+        raise ValueError(f"page tag path {chosen!r} cannot run on {device}: torch anywhere, numpy on CPU")
+    return chosen
 
 
 class TagBuffer:
@@ -47,44 +146,29 @@ class TagBuffer:
     (ptr, nbytes, item_len) triple that SGLang's KV registration takes.
     """
 
-    def __init__(self, num_pages: int, device: torch.device | str = "cpu", cost: CostMeter | None = None) -> None:
+    def __init__(self, num_pages: int, device: torch.device | str = "cpu", cost: CostMeter | None = None,
+                 path: str | None = None) -> None:
         self.cost = cost  # prefill's: each stamp is timed
         self.rows = torch.full((num_pages, TAG_WORDS), UNSTAMPED, dtype=torch.int64, device=device)
-        # Made once, not per call: every request reads the device, and slicing the (room, epoch)
-        # columns per stamp would cost an op each.
         self.device: torch.device = self.rows.device
-        self._rooms, self._epochs = self.rows.unbind(1)
+        self.path = row_path(self.device, path)
+        self.ops = ROW_PATHS[self.path](self.rows)
 
     def buf_info(self) -> tuple[int, int, int]:
         """(data_ptr, nbytes, item_len): item_len is one page's row, as KV item_len is one page."""
         return self.rows.data_ptr(), self.rows.nbytes, self.rows[0].nbytes
 
-    def index(self, pages: Pages) -> torch.Tensor:
-        """Page indices as an int64 tensor on this buffer's device (no copy if already one):
-        `index_fill_` takes nothing narrower."""
-        return torch.as_tensor(pages, dtype=torch.int64, device=self.device)
-
-    def gather_index(self, pages: Pages) -> torch.Tensor:
-        """Page indices for `index_select`, which takes SGLang's int32 page tables as they are:
-        a tensor already fit is not touched (a conversion is one more torch call per request)."""
-        if isinstance(pages, torch.Tensor) and pages.dtype in (torch.int32, torch.int64) and pages.device == self.device:
-            return pages
-        return self.index(pages)
-
     def stamp(self, pages: Pages, room: int, epoch: int) -> None:
         """Prefill: write (room, epoch) into the rows of the pages about to be sent."""
         start = self.cost.start() if self.cost is not None else None
-        idx = self.index(pages)
-        # Two scalar fills, not one index_put_ of a (room, epoch) row: the row would be a host
-        # tensor per call (an H2D copy that syncs on CUDA), and is no faster on CPU.
-        self._rooms.index_fill_(0, idx, room)
-        self._epochs.index_fill_(0, idx, epoch)
+        idx = self.ops.index(pages)
+        self.ops.fill(idx, room, epoch)
         if self.cost is not None:
             self.cost.add("stamp", start, 1, len(idx))
 
     def clear(self, pages: Pages) -> None:
         """Reset rows to UNSTAMPED: whatever the page held no longer vouches for anyone."""
-        self.rows.index_fill_(0, self.index(pages), UNSTAMPED)
+        self.ops.clear(self.ops.index(pages))
 
 
 class PageTagMismatch(RuntimeError):
@@ -103,11 +187,12 @@ class DecodePageTags:
     """
 
     def __init__(self, num_pages: int, device: torch.device | str = "cpu",
-                 fail_closed: bool | None = None) -> None:
-        self.buffer = TagBuffer(num_pages, device)
+                 fail_closed: bool | None = None, path: str | None = None) -> None:
+        self.buffer = TagBuffer(num_pages, device, path=path)
+        self._ops = self.buffer.ops
         self.fail_closed = os.environ.get(FAIL_CLOSED_ENV) == "1" if fail_closed is None else fail_closed
         self.expected: dict[int, int] = {}
-        self._allocated: dict[int, torch.Tensor] = {}  # room -> its current allocation's pages, for release
+        self._allocated: dict[int, Index] = {}  # room -> its current allocation's pages, for release
         self._last_epoch = 0
         self.mismatched_requests = 0
         self.mismatched_pages = 0
@@ -119,8 +204,8 @@ class DecodePageTags:
         start = self.cost.start()
         self._last_epoch += 1
         self.expected[room] = self._last_epoch
-        self._allocated[room] = idx = self.buffer.index(pages)
-        self.buffer.clear(idx)
+        self._allocated[room] = idx = self._ops.index(pages)
+        self._ops.clear(idx)
         self.cost.add("allocate", start, 1, len(idx))
         return self._last_epoch
 
@@ -131,34 +216,29 @@ class DecodePageTags:
         self.expected.pop(room, None)
         idx = self._allocated.pop(room, None)
         if idx is not None:
-            self.buffer.clear(idx)
+            self._ops.clear(idx)
         self.cost.add("release", start, 1, 0 if idx is None else len(idx))
 
     def check(self, room: int, pages: Pages) -> str | None:
         """None if every page carries (room, its current epoch); else the abort message.
 
-        One gather and one `torch.equal` against the expected row broadcast over the
-        pages (the one device-to-host sync per request). Each torch call is fixed
-        overhead (2-3 us back to back, far more with cold caches in a live server:
-        docs/page-tags.md), so only a refusal pays for counting its bad pages.
+        One gather and one compare with the expected row (on a GPU, the one
+        device-to-host sync per request).
         """
         start = self.cost.start()
-        idx = self.buffer.gather_index(pages)
+        idx = self._ops.gather_index(pages)
         verdict = self._verdict(room, idx)
         self.cost.add("check", start, 1, len(idx))
         return verdict
 
-    def _verdict(self, room: int, idx: torch.Tensor) -> str | None:
+    def _verdict(self, room: int, idx: Index) -> str | None:
         """`check` on page indices already fit for the gather."""
         if not len(idx):
             return self._mismatch(room, 0, 0)
         epoch = self.expected.get(room)
-        got = self.buffer.rows.index_select(0, idx)
         # A room with no current allocation expects UNSTAMPED-1: no row can hold it.
-        expect = torch.tensor([room, UNSTAMPED - 1 if epoch is None else epoch], device=self.buffer.device)
-        if torch.equal(got, expect.expand_as(got)):
-            return None
-        return self._mismatch(room, int(got.ne(expect).any(dim=1).sum()), len(idx))
+        bad = self._ops.bad_pages(idx, room, UNSTAMPED - 1 if epoch is None else epoch)
+        return None if bad == 0 else self._mismatch(room, bad, len(idx))
 
     def _mismatch(self, room: int, bad: int, pages: int) -> str:
         """Count one failed request, apply the policy, and say what failed."""
