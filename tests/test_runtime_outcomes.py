@@ -134,6 +134,35 @@ def test_long_polls_hold_no_thread_and_are_capped(monkeypatch):
     assert over == 503 and statuses == [200] * 20
 
 
+def test_a_burst_of_outcomes_reaches_a_follower_in_a_few_replies_not_one_each(monkeypatch):
+    """Finding (benchmarks/bench_outcomes.py): every outcome woke every waiting poll, so each
+    follower made one request per outcome: prefill's HTTP process served followers x outcomes
+    replies (44 % of a core at 32 followers and 50 outcomes/s), a rate a client sending
+    oversized prompts sets. A woken poll now waits COALESCE_S for the rest of a burst."""
+    monkeypatch.delenv(outcomes.TOKEN_ENV, raising=False)
+    log, outcomes_sent, spacing_s = OutcomeLog(), 20, 0.01
+
+    async def run():
+        async with _route_client(monkeypatch, log) as client:
+            async def follow() -> int:
+                seq, seen, replies = -1, 0, 0
+                while seen < outcomes_sent:
+                    body = await (await client.get(outcomes.OUTCOMES_ROUTE, params={"after": str(seq)})).json()
+                    seq, seen, replies = body["seq"], seen + len(body["outcomes"]), replies + 1
+                return replies
+
+            followers = [asyncio.ensure_future(follow()) for _ in range(4)]
+            await asyncio.sleep(0.2)  # every follower waits in its first poll
+            for room in range(outcomes_sent):
+                await asyncio.to_thread(log.add, room, 400, TOO_LONG)  # from another thread, as prefill's
+                await asyncio.sleep(spacing_s)
+            return await asyncio.gather(*followers)
+
+    burst_s = outcomes_sent * spacing_s
+    bound = burst_s / outcomes.COALESCE_S + 2  # one reply per coalescing window, and the edges
+    assert all(r <= bound for r in asyncio.run(run())), f"more than {bound:.0f} replies for {outcomes_sent} outcomes"
+
+
 def test_with_a_token_only_a_decode_that_sends_it_reads_the_outcomes(monkeypatch):
     monkeypatch.setenv(outcomes.TOKEN_ENV, "s3cret")
     log = OutcomeLog()

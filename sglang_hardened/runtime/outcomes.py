@@ -56,6 +56,10 @@ RETAIN_MAX = 8192
 LONG_POLL_S = 5.0
 RETRY_S = 1.0
 POLLS_MAX = 256  # long polls a bootstrap server holds at once; more get 503
+# A woken poll waits this long before it answers, so a burst of outcomes is one reply to each
+# follower, not one reply per outcome per follower: the replies prefill's HTTP process serves are
+# at most followers / COALESCE_S a second, whatever rate of rejections a client sets off.
+COALESCE_S = 0.05
 # A shared secret for the outcomes route, from the environment of both roles: when
 # prefill has one, only a decode that sends the same may read its outcomes.
 TOKEN_ENV = "SGLANG_HARDENED_BOOTSTRAP_TOKEN"
@@ -119,7 +123,8 @@ class OutcomeLog:
             return self._seq, [o for o in self._items if o.seq > seq and o.at >= horizon]
 
     async def wait_since(self, seq: int, wait_s: float) -> tuple[int, list[Outcome]]:
-        """``since(seq)``, waiting up to ``wait_s`` for an outcome when there is none yet."""
+        """``since(seq)``, waiting up to ``wait_s`` for an outcome when there is none yet, then
+        COALESCE_S for the rest of a burst."""
         event = asyncio.Event()
         key = (asyncio.get_running_loop(), event)
         with self._lock:
@@ -129,6 +134,8 @@ class OutcomeLog:
             if not items:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), wait_s)
+                if event.is_set():  # the rest of a burst goes in the same reply
+                    await asyncio.sleep(COALESCE_S)
                 current, items = self.since(seq)
             return current, items
         finally:
