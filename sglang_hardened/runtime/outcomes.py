@@ -134,7 +134,9 @@ class OutcomeLog:
             if not items:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), wait_s)
-                if event.is_set():  # the rest of a burst goes in the same reply
+                if event.is_set():  # the rest of a burst goes in the same reply, and wakes it no more
+                    with self._lock:
+                        self._waiters.discard(key)
                     await asyncio.sleep(COALESCE_S)
                 current, items = self.since(seq)
             return current, items
