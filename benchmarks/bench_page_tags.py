@@ -19,6 +19,12 @@ per token: the amortised share spreads it over --output-tokens steps. The
 tag work here runs on one torch thread: on a shared 2-core host two spinning
 OpenMP threads make every small op 10-20x slower, and the ratio would
 measure that.
+
+With --growth, one request's H8 work (on CPU's numpy path and on the torch
+path a GPU runs, timed alike) and H3's (prefill's stamp of the tokens it
+covers, the sender's shortfall check, decode's comparison) at each page
+count, against the stand-in step at that context: upstream does none of
+this work, so its cost is the hardened build's difference.
 """
 
 from __future__ import annotations
@@ -31,15 +37,19 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 # benchmarks/ is on sys.path when run as a script
 from bench_cluster import PROMPT, SAFE
 from gpu_page_tags import measure
+from growth_plot import plot_growth
 
 from sglang_hardened.common.table import format_table
 from sglang_hardened.operations.oracle import generate
+from sglang_hardened.runtime import coverage
+from sglang_hardened.runtime.page_tags import ROW_PATHS
 from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV, read_cost_lines
 from sglang_hardened.sandbox.cluster import ClusterParams, start
 from sglang_hardened.sandbox.env import build_env, default_overlay, wheels_for
@@ -152,8 +162,53 @@ def cluster_step(base: str, prompt_tokens: int, output_tokens: int, repeat: int)
         cluster.stop()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def h3_request_s(pages: int, repeat: int) -> float:
+    """Median seconds of H3's per-request work for a prompt of `pages` one-token pages: prefill's
+    stamp into a metadata row, the sender's shortfall check, decode's comparison."""
+    row = torch.zeros(16, dtype=torch.int64)  # one metadata row, as SGLang's buffers hold it
+    req = SimpleNamespace(origin_input_ids=list(range(pages)), bootstrap_host="10.0.0.1", rid="r", bootstrap_room=1)
+    chunk = SimpleNamespace(index_slice=slice(0, pages), is_last_chunk=True, room=1)
+    runs = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        coverage.stamp(row, req)
+        shortfall = coverage.sender_shortfall(chunk, pages)
+        reason = coverage.uncovered_reason(req, row)
+        runs.append(time.perf_counter() - start)
+        if shortfall or reason:
+            raise AssertionError(f"a covered request was refused: {shortfall or reason}")
+    return statistics.median(runs)
+
+
+def growth(page_counts: list[int], repeat: int, plot: Path | None) -> None:
+    """The growth table (and plot): H8 on both row paths and H3, per request, by page count."""
+    torch.set_num_threads(1)
+    cpu, rows, series = torch.device("cpu"), [], {"H8, numpy (CPU)": [], "H8, torch": [], "H3": [], "stand-in step": []}
+    for pages in page_counts:
+        pool = max(65536, 4 * pages)
+        h8 = {}
+        for path in ROW_PATHS:
+            measure(cpu, pool, 1, batch=1, pages_per_request=pages, repeat=5, path=path)  # warm-up
+            h8[path] = measure(cpu, pool, 1, batch=1, pages_per_request=pages, repeat=repeat, path=path).total_s
+        h3, step = h3_request_s(pages, repeat), decode_step_s(pages, repeat)
+        for label, s in zip(series, (h8["numpy"], h8["torch"], h3, step)):
+            series[label].append((pages, s * 1e6))
+        rows.append((str(pages), f"{h8['numpy'] * 1e6:.1f}", f"{h8['numpy'] / pages * 1e9:.1f}",
+                     f"{h8['torch'] * 1e6:.1f}", f"{h8['torch'] / pages * 1e9:.1f}", f"{h3 * 1e6:.1f}",
+                     f"{step * 1e6:.0f}", f"{(h8['numpy'] + h3) / step * 100:.2f} %"))
+    print(f"one request of one-token pages (SGLang's CPU default); medians of {repeat}; one torch thread; "
+          f"host load {os.getloadavg()[0]:.1f}")
+    print(format_table(("pages", "H8 numpy us", "ns/page", "H8 torch us", "ns/page", "H3 us", "stand-in step us",
+                        "(H8 numpy + H3) / step"), rows))
+    if plot:
+        plot_growth(plot, "H3 and H8 per request, by prompt pages", "pages (one token each)",
+                    "microseconds per request", series)
+        print(f"plot: {plot}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="example: python benchmarks/"
+                                     "bench_page_tags.py --growth 16,64,256,1024,4096 --plot growth.png")
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--page-size", type=int, default=1, help="SGLang's default on CPU")
     parser.add_argument("--pool-tokens", type=int, default=65536)
@@ -163,13 +218,18 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128,
                         help="answer length: the real step's measure and the amortised share")
     parser.add_argument("--cluster-repeat", type=int, default=10, help="request pairs sent to the cluster")
-    args = parser.parse_args()
+    parser.add_argument("--growth", metavar="PAGES,...", help="H3's and H8's cost per request at these page counts")
+    parser.add_argument("--plot", type=Path, help="with --growth: a PNG of the costs against the page count")
+    args = parser.parse_args(argv)
     logging.getLogger("sglang_hardened").setLevel(logging.CRITICAL)  # the fault check's refusals are expected
     real = (cluster_step(args.step_from_cluster, args.prompt_tokens, args.output_tokens, args.cluster_repeat)
             if args.step_from_cluster else None)  # first and alone: the cluster's servers would share the CPU
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
     pages = -(-args.prompt_tokens // args.page_size)
+    if args.growth:
+        growth([int(n) for n in args.growth.split(",")], args.repeat, args.plot)
+        return
     measure(cpu, args.pool_tokens, args.page_size, batch=1, pages_per_request=pages, repeat=5)  # warm-up
     m = measure(cpu, args.pool_tokens, args.page_size, batch=1, pages_per_request=pages, repeat=args.repeat)
     steps = {"stand-in": decode_step_s(args.prompt_tokens, args.repeat)}

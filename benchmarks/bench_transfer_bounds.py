@@ -1,6 +1,7 @@
 """H6's bounded Mooncake calls against one unbounded call, on real Mooncake TCP over 127.0.0.1.
 
     python benchmarks/bench_transfer_bounds.py --repeat 5
+    python benchmarks/bench_transfer_bounds.py --growth 1024,4096,16384,65536 --plot h6.png   # by entries
 
 Throughput: the same write (--entries entries of --entry-kib KiB, under
 Mooncake TCP's ~2,050-entry per-call limit so that one unbounded call works)
@@ -14,14 +15,21 @@ max_entries_per_call entries be in flight to the peer. Per-call times: a write t
 (--big-entries) split by the policy's bounds, and the same with the byte
 bound made to bite (--byte-bound-mib, as a slow configured link would); each
 call's seconds against the release timeout the bound is derived from.
+
+With --growth: one write's time as the prompt grows (a deep model's transfer:
+one entry per page per layer, --growth-entry-kib each), bounded against one
+unbounded call at each size, alternately; above Mooncake TCP's per-call limit
+the unbounded call fails, and the table says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
 from floor_report import print_against_floor  # benchmarks/ is on sys.path when run as a script
+from growth_plot import plot_growth
 
 from sglang_hardened.common.table import format_table
 from sglang_hardened.runtime.policy import load_limits
@@ -37,8 +45,40 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def growth(env, sizes: list[int], entry_bytes: int, repeat: int, plot: Path | None) -> None:
+    """H6's growth table: the median seconds of one write of each size, bounded and as one call."""
+    policy = bounds_from({})
+    bounded = (policy.max_entries, policy.max_bytes)
+    cases = [Case(n, entry_bytes, bounds) for _ in range(repeat) for n in sizes for bounds in (None, bounded)]
+    outcomes, _ = run(env, cases, timeout_s=3600)
+    rows, series = [], {"bounded (H6)": [], "one unbounded call": []}
+    for n in sizes:
+        got = {b: [o for c, o in zip(cases, outcomes) if (c.entries, c.bounds) == (n, b)] for b in (None, bounded)}
+        if not all(o.arrived for o in got[bounded]):
+            raise SystemExit(f"a bounded write of {n} entries did not arrive: {got[bounded]}")
+        b_s = statistics.median(o.seconds for o in got[bounded])
+        series["bounded (H6)"].append((n, b_s))
+        calls = statistics.median(len(o.call_seconds) for o in got[bounded])
+        if all(o.arrived for o in got[None]):
+            u_s = statistics.median(o.seconds for o in got[None])
+            series["one unbounded call"].append((n, u_s))
+            unbounded, ratio = f"{u_s:.3f}", f"{b_s / u_s:.2f}"
+        else:
+            unbounded, ratio = f"fails (rc {next(o.rc for o in got[None] if not o.arrived)})", "-"
+        mib = n * entry_bytes / (1 << 20)
+        rows.append((str(n), f"{mib:.0f}", f"{calls:.0f}", f"{b_s:.3f}", f"{b_s / n * 1e6:.1f}", unbounded, ratio))
+    print(f"one write of N entries of {entry_bytes >> 10} KiB, Mooncake TCP on 127.0.0.1, medians of {repeat}; "
+          f"bounds: {policy.max_entries} entries, {policy.max_bytes >> 20} MiB per call")
+    print(format_table(("entries", "MiB", "bounded calls", "bounded s", "us/entry", "unbounded s", "bounded/unbounded"),
+                       rows))
+    if plot:
+        plot_growth(plot, "H6: one transfer by its size", "entries (pages x layers)", "seconds", series)
+        print(f"plot: {plot}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="example: python benchmarks/"
+                                     "bench_transfer_bounds.py --growth 1024,4096,16384,65536 --plot h6.png")
     parser.add_argument("--base", default="0.5.23", help="sandbox environment whose Mooncake is used")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--entries", type=int, default=2000)
@@ -47,9 +87,15 @@ def main() -> None:
     parser.add_argument("--byte-bound-mib", type=int, default=8)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--thread-entries", type=int, default=500)
-    args = parser.parse_args()
+    parser.add_argument("--growth", metavar="ENTRIES,...", help="only the growth table, at these write sizes")
+    parser.add_argument("--growth-entry-kib", type=int, default=4)
+    parser.add_argument("--plot", type=Path, help="with --growth: a PNG of seconds against entries")
+    args = parser.parse_args(argv)
     env = build_env(args.base, [upstream_wheel(args.base)], default_overlay())
     policy = bounds_from({})
+    if args.growth:
+        growth(env, [int(n) for n in args.growth.split(",")], args.growth_entry_kib << 10, args.repeat, args.plot)
+        return
     bounded = (policy.max_entries, policy.max_bytes)
     entry_bytes = args.entry_kib << 10
     cases = [Case(args.entries, entry_bytes, bounds) for _ in range(args.repeat) for bounds in (None, bounded)]

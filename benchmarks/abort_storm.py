@@ -1,0 +1,68 @@
+"""H5 under an abort storm, on a cluster bench_serving_ab.py has started: capacity while clients
+hang up mid-request and the hardened build holds their pages until every write into them ends.
+
+For each abort share: --storm-requests requests of about --storm-tokens tokens at
+--storm-concurrency through the load balancer, the same seeded schedule for every arm of a
+pair; each request's client hangs up, with the share's probability, between HANG_UP_S after
+sending (while prefill computes or the transfer runs, on the CPU rig). What the clients that
+stayed get: requests/s (their 200s over the storm's wall time), p99 latency, and any answer
+that was not a 200. After the storms the cluster must serve a request again: a hold that never
+ended would leave its pages out of the pool.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from sglang_hardened.operations.filler import filler, tokens_per_word
+from sglang_hardened.sandbox.cluster import Cluster
+from sglang_hardened.sandbox.soak.catalogue import Catalogue, Prompt
+from sglang_hardened.sandbox.soak.plan import Step
+from sglang_hardened.sandbox.soak.traffic import send
+
+HANG_UP_S = (0.05, 0.5)
+TIMEOUT_S = 120.0
+METRICS = (("req_s", "req/s, stayed"), ("p99_s", "p99 s, stayed"))  # the first higher-is-better
+
+
+def catalogue(cluster: Cluster, requests: int, tokens: int, seed: int) -> Catalogue:
+    """One prompt of about ``tokens`` tokens per request, drawn with ``seed``; answers of 16-64 tokens."""
+    per_word = tokens_per_word(lambda text: cluster.generate(text, 1))
+    rng = random.Random(f"{seed}/storm")
+    return Catalogue([Prompt(filler(per_word, tokens, f"{seed}/storm/{i}"), tokens, rng.randint(16, 64))
+                      for i in range(requests)], [], [], {})
+
+
+def storm(lb_url: str, cat: Catalogue, concurrency: int, share: float, seed: int) -> dict:
+    """One storm of ``len(cat.fitting)`` requests: the stayed requests' throughput and p99, and
+    the statuses other than 200 they got."""
+    requests = len(cat.fitting)
+    rng = random.Random(f"{seed}/{share}")
+    hang_ups = [rng.uniform(*HANG_UP_S) if rng.random() < share else None for _ in range(requests)]
+
+    def one(i: int):
+        step = Step(client=i % concurrency, index=i, kind="fits", prompt=i, fault=None, fault_after_s=0.0,
+                    stop_s=0.0, variant=0)
+        return send(lb_url, step, cat, f"storm-{seed}-{share}-{i}", TIMEOUT_S, hang_ups[i])
+
+    began = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        sent = list(pool.map(one, range(requests)))
+    wall = time.monotonic() - began
+    stayed = [s for s in sent if not s.hung_up]
+    done = sorted(s.seconds for s in stayed if s.status == 200)
+    return {"share": share, "req_s": len(done) / wall,
+            "p99_s": done[min(len(done) - 1, int(0.99 * len(done)))] if done else float("inf"),
+            "hung_up": sum(s.hung_up for s in sent), "not_200": sorted({str(s.status) for s in stayed if s.status != 200})}
+
+
+def storms(cluster: Cluster, shares: list[int], requests: int, concurrency: int, tokens: int, seed: int) -> list[dict]:
+    """Every share's storm on one cluster, then the check that it still serves."""
+    cat = catalogue(cluster, requests, tokens, seed)
+    found = [storm(cluster.lb_url, cat, concurrency, share / 100, seed) for share in shares]
+    after = cluster.generate(cat.fitting[0].text, 4, timeout=60)
+    if after.status != 200:
+        raise SystemExit(f"the cluster did not serve after the abort storms (HTTP {after.status}): {after.body[:300]}")
+    return found
