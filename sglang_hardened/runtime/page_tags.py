@@ -87,20 +87,12 @@ class TorchRows:
 
 
 class NumpyRows:
-    """The same operations on numpy views of CPU rows: about 1 us a call where a torch call
-    costs several, and SGLang hands CPU page indices over as numpy arrays already. A row is
-    written as one 16-byte item (`np.put` on a void view), not as two columns: half the passes
-    over scattered rows, which is what the work costs once the pages are many."""
+    """The same operations on a numpy view of CPU rows: about 1 us a call where a torch call
+    costs several, and SGLang hands CPU page indices over as numpy arrays already."""
 
     def __init__(self, rows: torch.Tensor) -> None:
         self.rows = rows
         self._view = rows.numpy()  # the same memory: what the transfer engine reads and writes
-        self._items = self._view.view(np.dtype((np.void, TAG_WORDS * 8))).ravel()  # one item per row
-        self._unstamped = self._item(UNSTAMPED, UNSTAMPED)
-
-    @staticmethod
-    def _item(room: int, epoch: int) -> np.void:
-        return np.array([room, epoch], dtype=np.int64).view(np.dtype((np.void, TAG_WORDS * 8)))[0]
 
     def index(self, pages: Pages) -> np.ndarray:
         """Page indices as a numpy index array; a negative one raises, as torch's gather does
@@ -113,10 +105,13 @@ class NumpyRows:
     gather_index = index
 
     def fill(self, idx: np.ndarray, room: int, epoch: int) -> None:
-        np.put(self._items, idx, self._item(room, epoch))
+        # Two scalar column writes: in the servers they cost less than one 16-byte item per row
+        # (np.put on a void view), which is faster only with warm caches (docs/page-tags.md).
+        self._view[idx, 0] = room
+        self._view[idx, 1] = epoch
 
     def clear(self, idx: np.ndarray) -> None:
-        np.put(self._items, idx, self._unstamped)
+        self._view[idx] = UNSTAMPED
 
     def bad_pages(self, idx: np.ndarray, room: int, epoch: int) -> int:
         """Pages among `idx` whose row is not (room, epoch): a gather and one compare; only a
