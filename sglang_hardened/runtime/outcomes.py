@@ -56,9 +56,9 @@ RETAIN_MAX = 8192
 LONG_POLL_S = 5.0
 RETRY_S = 1.0
 POLLS_MAX = 256  # long polls a bootstrap server holds at once; more get 503
-# A woken poll waits this long before it answers, so a burst of outcomes is one reply to each
+# A reply waits until its first outcome is this old, so a burst of outcomes is one reply to each
 # follower, not one reply per outcome per follower: the replies prefill's HTTP process serves are
-# at most followers / COALESCE_S a second, whatever rate of rejections a client sets off.
+# at most about followers / COALESCE_S a second, whatever rate of rejections a client sets off.
 COALESCE_S = 0.05
 # A shared secret for the outcomes route, from the environment of both roles: when
 # prefill has one, only a decode that sends the same may read its outcomes.
@@ -123,8 +123,9 @@ class OutcomeLog:
             return self._seq, [o for o in self._items if o.seq > seq and o.at >= horizon]
 
     async def wait_since(self, seq: int, wait_s: float) -> tuple[int, list[Outcome]]:
-        """``since(seq)``, waiting up to ``wait_s`` for an outcome when there is none yet, then
-        COALESCE_S for the rest of a burst."""
+        """``since(seq)``, waiting up to ``wait_s`` for an outcome when there is none yet; a reply
+        whose first outcome is younger than COALESCE_S waits until it is that old, so the rest
+        of a burst goes in the same reply however fast outcomes come (a catch-up is at once)."""
         event = asyncio.Event()
         key = (asyncio.get_running_loop(), event)
         with self._lock:
@@ -134,15 +135,14 @@ class OutcomeLog:
             if not items:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), wait_s)
-                if event.is_set():  # the rest of a burst goes in the same reply, and wakes it no more
-                    with self._lock:
-                        self._waiters.discard(key)
-                    await asyncio.sleep(COALESCE_S)
                 current, items = self.since(seq)
-            return current, items
         finally:
             with self._lock:
-                self._waiters.discard(key)
+                self._waiters.discard(key)  # before lingering: the rest of the burst wakes it no more
+        if items and (linger := items[0].at + COALESCE_S - time.monotonic()) > 0:
+            await asyncio.sleep(linger)
+            current, items = self.since(seq)
+        return current, items
 
 
 def _numbers_only(template: str) -> re.Pattern[str]:
