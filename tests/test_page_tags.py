@@ -235,6 +235,7 @@ def test_a_page_index_outside_the_pool_raises_on_either_path(path, page):
         with pytest.raises(IndexError):
             op()
     assert tags.buffer.rows[7].tolist() == [3, 1]  # the last page untouched
+    assert 3 not in tags.expected  # a refused allocation leaves no expectation behind
 
 
 def test_cpu_rows_take_the_numpy_path_and_a_gpu_path_cannot_be_numpy():

@@ -68,12 +68,14 @@ class TorchRows:
         return self.index(pages)
 
     def fill(self, idx: torch.Tensor, room: int, epoch: int) -> None:
+        """Stamp the rows."""
         # Two scalar fills, not one index_put_ of a (room, epoch) row: the row would be a host
         # tensor per call (an H2D copy that syncs on CUDA).
         self._rooms.index_fill_(0, idx, room)
         self._epochs.index_fill_(0, idx, epoch)
 
     def clear(self, idx: torch.Tensor) -> None:
+        """Reset the rows to UNSTAMPED."""
         self.rows.index_fill_(0, idx, UNSTAMPED)
 
     def bad_pages(self, idx: torch.Tensor, room: int, epoch: int) -> int:
@@ -87,17 +89,17 @@ class TorchRows:
 
 
 class NumpyRows:
-    """The same operations on a numpy view of CPU rows: about 1 us a call where a torch call
-    costs several, and SGLang hands CPU page indices over as numpy arrays already."""
+    """The same operations on a numpy view of CPU rows: a numpy call costs less than a torch
+    call's dispatch, which was most of the work, and SGLang hands CPU page indices over as
+    numpy arrays already."""
 
     def __init__(self, rows: torch.Tensor) -> None:
-        self.rows = rows
         self._view = rows.numpy()  # the same memory: what the transfer engine reads and writes
 
     def index(self, pages: Pages) -> np.ndarray:
         """Page indices as a numpy index array; a negative one raises, as torch's gather does
         (numpy would wrap it round to another page)."""
-        idx = np.asarray(pages.numpy() if isinstance(pages, torch.Tensor) else pages, dtype=np.intp)
+        idx = np.asarray(pages.numpy(force=True) if isinstance(pages, torch.Tensor) else pages, dtype=np.intp)
         if len(idx) and idx.min() < 0:
             raise IndexError(f"page index {int(idx.min())} is out of range for {len(self._view)} tag rows")
         return idx
@@ -105,12 +107,13 @@ class NumpyRows:
     gather_index = index
 
     def fill(self, idx: np.ndarray, room: int, epoch: int) -> None:
-        # Two scalar column writes: in the servers they cost less than one 16-byte item per row
-        # (np.put on a void view), which is faster only with warm caches (docs/page-tags.md).
+        """Stamp the rows. Two scalar column writes: in the servers they cost less than one
+        16-byte item per row (np.put on a void view), faster only with warm caches."""
         self._view[idx, 0] = room
         self._view[idx, 1] = epoch
 
     def clear(self, idx: np.ndarray) -> None:
+        """Reset the rows to UNSTAMPED."""
         self._view[idx] = UNSTAMPED
 
     def bad_pages(self, idx: np.ndarray, room: int, epoch: int) -> int:
@@ -197,10 +200,11 @@ class DecodePageTags:
     def allocate(self, room: int, pages: Pages) -> int:
         """Pages were just given to `room`: reset their rows, return the new epoch to send to prefill."""
         start = self.cost.start()
+        idx = self._ops.index(pages)
+        self._ops.clear(idx)  # before the bookkeeping: a bad index leaves no expectation behind
         self._last_epoch += 1
         self.expected[room] = self._last_epoch
-        self._allocated[room] = idx = self._ops.index(pages)
-        self._ops.clear(idx)
+        self._allocated[room] = idx
         self.cost.add("allocate", start, 1, len(idx))
         return self._last_epoch
 
