@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from growth_plot import plot_growth  # benchmarks/ is on sys.path when run as a script
+from stats import quantile
 
 from sglang_hardened.common.table import format_table
 from sglang_hardened.runtime import outcomes
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     for count in (int(n) for n in args.followers.split(",")):
         r = run_setting(port, count, args.rate, args.seconds)
         lat = r["latencies"]
-        p50, p99, worst = (statistics.median(lat), lat[min(len(lat) - 1, int(0.99 * len(lat)))], lat[-1])
+        p50, p99, worst = statistics.median(lat), quantile(lat, 0.99), lat[-1]
         for label, value in zip(series, (p50, p99, worst)):
             series[label].append((count, value * 1e3))
         rows.append((str(count), f"{r['threads']} ({r['threads'] - idle_threads:+d})",

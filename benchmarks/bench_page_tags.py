@@ -222,14 +222,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, help="with --growth: a PNG of the costs against the page count")
     args = parser.parse_args(argv)
     logging.getLogger("sglang_hardened").setLevel(logging.CRITICAL)  # the fault check's refusals are expected
+    if args.growth:
+        growth([int(n) for n in args.growth.split(",")], args.repeat, args.plot)
+        return
     real = (cluster_step(args.step_from_cluster, args.prompt_tokens, args.output_tokens, args.cluster_repeat)
             if args.step_from_cluster else None)  # first and alone: the cluster's servers would share the CPU
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
     pages = -(-args.prompt_tokens // args.page_size)
-    if args.growth:
-        growth([int(n) for n in args.growth.split(",")], args.repeat, args.plot)
-        return
     measure(cpu, args.pool_tokens, args.page_size, batch=1, pages_per_request=pages, repeat=5)  # warm-up
     m = measure(cpu, args.pool_tokens, args.page_size, batch=1, pages_per_request=pages, repeat=args.repeat)
     steps = {"stand-in": decode_step_s(args.prompt_tokens, args.repeat)}

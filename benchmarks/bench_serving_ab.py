@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -236,7 +237,7 @@ def plot(found: list[dict], path: Path, title: str, level: str = "concurrency", 
         ax.set_xlabel(level)
     axes[0].set_ylabel(f"arm / {BASELINE} (median, interval)")
     axes[-1].legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(title, 45 * len(metrics))), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

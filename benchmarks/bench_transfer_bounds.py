@@ -30,6 +30,7 @@ from pathlib import Path
 
 from floor_report import print_against_floor  # benchmarks/ is on sys.path when run as a script
 from growth_plot import plot_growth
+from stats import quantile
 
 from sglang_hardened.common.table import format_table
 from sglang_hardened.runtime.policy import load_limits
@@ -38,11 +39,6 @@ from sglang_hardened.sandbox.env import build_env, default_overlay, upstream_whe
 from sglang_hardened.sandbox.mooncake_pair import Case, run
 
 BIG_ENTRY_BYTES = 16 << 10  # the many-call write's entries: a page of a small model's layer
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def growth(env, sizes: list[int], entry_bytes: int, repeat: int, plot: Path | None) -> None:
@@ -128,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         mib_per_call = min(bounds[1], bounds[0] * BIG_ENTRY_BYTES) / (1 << 20)
         write = f"{args.big_entries} x {BIG_ENTRY_BYTES >> 10} KiB, <= {bounds[0]} entries, <= {mib_per_call:.0f} MiB"
         rows.append((write, len(calls),
-                     f"{_quantile(calls, 0.5):.3f}", f"{_quantile(calls, 0.99):.3f}", f"{max(calls):.3f}",
+                     f"{quantile(calls, 0.5):.3f}", f"{quantile(calls, 0.99):.3f}", f"{max(calls):.3f}",
                      f"{max(calls) / timeout_s:.4f}"))
     print(f"per-call seconds against the release timeout ({timeout_s} s; the byte bound allows "
           f"{policy.max_bytes / limits['link_rate_bytes_per_s']:.0f} s at the configured link rate)")

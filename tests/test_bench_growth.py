@@ -3,6 +3,7 @@ measurement (the figures are in docs/performance.md). About 10 s, no cluster."""
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -14,7 +15,11 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(autouse=True)
 def benchmarks_on_path(monkeypatch):
+    """The benchmarks' own path, and the hardening logger's level back after: a main that
+    silences it (the fault check's refusals are expected there) must not silence later tests."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
+    logger = logging.getLogger("sglang_hardened")
+    monkeypatch.setattr(logger, "level", logger.level)
 
 
 def test_page_tags_growth_gives_a_row_per_page_count_and_a_plot(tmp_path, capsys):
@@ -27,8 +32,13 @@ def test_page_tags_growth_gives_a_row_per_page_count_and_a_plot(tmp_path, capsys
     assert (tmp_path / "g.png").read_bytes()[:8] == PNG
 
 
-def test_outcomes_route_reaches_every_follower_and_holds_no_thread_per_poll(tmp_path, capsys):
+def test_outcomes_route_reaches_every_follower_and_holds_no_thread_per_poll(tmp_path, capsys, monkeypatch):
     import bench_outcomes
+
+    from sglang_hardened.runtime import outcomes
+
+    monkeypatch.delenv(outcomes.TOKEN_ENV, raising=False)  # the followers send none
+    monkeypatch.setattr(outcomes, "OUTCOMES", outcomes.OUTCOMES)  # the benchmark swaps the log per setting
 
     bench_outcomes.main(["--followers", "1,3", "--rate", "20", "--seconds", "1", "--plot", str(tmp_path / "h4.png")])
     out = capsys.readouterr().out
