@@ -548,7 +548,8 @@ def test_a_short_soak_judges_every_request_and_page(fc):
     assert len(report.outcomes) >= 10 and sum(f.landed for f in report.faults) >= 3, "too little to judge"
     assert report.ok == fc.hardened, report.table()  # upstream 0.5.23: aborted and n = 2 requests hang, pages held
     # H11: what the soak drew of n = 2, and one more for certain: hardened refuses it naming the
-    # cause; upstream leaves it unanswered (docs/soak.md: for ever, its decode pages held)
+    # cause; upstream leaves it unanswered (docs/soak.md: for ever, its decode pages held), or
+    # answers 5xx once the soak's n = 2 requests have killed its decode (a race: docs/soak.md)
     n2 = [o for o in report.outcomes if o.step.kind == "n2" and o.verdict != "hung-up"]
     assert not fc.hardened or all(o.status == 400 and "H11" in o.detail for o in n2), n2
     try:
@@ -557,7 +558,7 @@ def test_a_short_soak_judges_every_request_and_page(fc):
     except TimeoutError:
         assert not fc.hardened, f"no answer to n = 2 in {N2_WAIT_S} s"
     else:
-        assert fc.hardened and two.status == 400 and "H11" in two.body, two
+        assert (two.status == 400 and "H11" in two.body) if fc.hardened else two.status >= 500, two
     # H12: 0.5.22's schema gate lets "n": null through, and upstream's normalize compares it
     null_n = generate(fc.cluster.lb_url, FITTING_C, extra={"sampling_params": {"n": None}}, timeout=60)
     if fc.hardened:
