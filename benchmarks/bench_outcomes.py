@@ -26,7 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from growth_plot import plot_growth  # benchmarks/ is on sys.path when run as a script
+from cli_args import ints  # benchmarks/ is on sys.path when run as a script
+from growth_plot import plot_growth
 from stats import quantile
 
 from sglang_hardened.common.table import format_table
@@ -119,7 +120,7 @@ def run_setting(port: int, count: int, rate: float, seconds: float) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="example: python benchmarks/bench_outcomes.py --followers 1,8,32")
-    parser.add_argument("--followers", default="1,8,32", help="follower counts, comma-separated")
+    parser.add_argument("--followers", type=ints, default=[1, 8, 32], help="follower counts, comma-separated")
     parser.add_argument("--rate", type=float, default=50.0, help="outcomes prefill notes per second")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long each setting notes outcomes")
     parser.add_argument("--plot", type=Path, help="a PNG of the latencies against the follower count")
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     port = serve()
     idle_threads, idle_rss = _proc_status("Threads"), _proc_status("VmRSS")
     rows, series = [], {"p50": [], "p99": [], "max": []}
-    for count in (int(n) for n in args.followers.split(",")):
+    for count in args.followers:
         r = run_setting(port, count, args.rate, args.seconds)
         lat = r["latencies"]
         p50, p99, worst = statistics.median(lat), quantile(lat, 0.99), lat[-1]

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 # benchmarks/ is on sys.path when run as a script
 from bench_cluster import PROMPT, SAFE
+from cli_args import ints
 from gpu_page_tags import measure
 from growth_plot import plot_growth
 
@@ -218,12 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-tokens", type=int, default=128,
                         help="answer length: the real step's measure and the amortised share")
     parser.add_argument("--cluster-repeat", type=int, default=10, help="request pairs sent to the cluster")
-    parser.add_argument("--growth", metavar="PAGES,...", help="H3's and H8's cost per request at these page counts")
+    parser.add_argument("--growth", type=ints, metavar="PAGES,...", help="H3's and H8's cost per request at these page counts")
     parser.add_argument("--plot", type=Path, help="with --growth: a PNG of the costs against the page count")
     args = parser.parse_args(argv)
     logging.getLogger("sglang_hardened").setLevel(logging.CRITICAL)  # the fault check's refusals are expected
     if args.growth:
-        growth([int(n) for n in args.growth.split(",")], args.repeat, args.plot)
+        growth(args.growth, args.repeat, args.plot)
         return
     real = (cluster_step(args.step_from_cluster, args.prompt_tokens, args.output_tokens, args.cluster_repeat)
             if args.step_from_cluster else None)  # first and alone: the cluster's servers would share the CPU

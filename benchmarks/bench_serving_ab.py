@@ -48,6 +48,7 @@ from pathlib import Path
 
 from abort_storm import METRICS as STORM_METRICS  # benchmarks/ is on sys.path when run as a script
 from abort_storm import storms
+from cli_args import ints
 
 from sglang_hardened.common.table import format_table
 from sglang_hardened.runtime.page_tags_switch import TAGS_ENV
@@ -243,10 +244,6 @@ def plot(found: list[dict], path: Path, title: str, level: str = "concurrency", 
     plt.close(fig)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="example: python benchmarks/bench_serving_ab.py --base 0.5.23 --pairs 10 "
@@ -264,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--pin", default="", help="SERVER_CORES:GENERATOR_CORES, e.g. 0-13:14-15: both servers' "
                         "threads and the load generator (the balancer is not pinned; default: nothing pinned)")
-    parser.add_argument("--abort-shares", type=_ints, default=[], metavar="PERCENT,...",
+    parser.add_argument("--abort-shares", type=ints, default=[], metavar="PERCENT,...",
                         help="after the load generator, an abort storm per share on each cluster (H5's cost; "
                              "benchmarks/abort_storm.py), e.g. 0,10,20,30")
     parser.add_argument("--storm-requests", type=int, default=48, help="requests per abort storm")
@@ -284,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     arms = [a.strip() for a in args.arms.split(",")]
     if unknown := [a for a in arms if a not in ARMS] + ([] if BASELINE in arms else [f"(no {BASELINE})"]):
         parser.error(f"--arms: {', '.join(unknown)}; choose from {', '.join(ARMS)} including {BASELINE}")
-    levels, prompts = _ints(args.concurrency), _ints(args.prompts)
+    levels, prompts = ints(args.concurrency), ints(args.prompts)
     if (len(levels) != len(prompts) or args.pairs < 1 or min(levels + prompts, default=1) < 1 or args.warmup < 0
             or not (levels or args.abort_shares)):
         parser.error("--prompts needs one positive count per --concurrency setting (none: abort storms only), "

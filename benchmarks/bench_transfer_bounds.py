@@ -28,6 +28,7 @@ import argparse
 import statistics
 from pathlib import Path
 
+from cli_args import ints
 from floor_report import print_against_floor  # benchmarks/ is on sys.path when run as a script
 from growth_plot import plot_growth
 from stats import quantile
@@ -83,14 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--byte-bound-mib", type=int, default=8)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--thread-entries", type=int, default=500)
-    parser.add_argument("--growth", metavar="ENTRIES,...", help="only the growth table, at these write sizes")
+    parser.add_argument("--growth", type=ints, metavar="ENTRIES,...", help="only the growth table, at these write sizes")
     parser.add_argument("--growth-entry-kib", type=int, default=4)
     parser.add_argument("--plot", type=Path, help="with --growth: a PNG of seconds against entries")
     args = parser.parse_args(argv)
     env = build_env(args.base, [upstream_wheel(args.base)], default_overlay())
     policy = bounds_from({})
     if args.growth:
-        growth(env, [int(n) for n in args.growth.split(",")], args.growth_entry_kib << 10, args.repeat, args.plot)
+        growth(env, args.growth, args.growth_entry_kib << 10, args.repeat, args.plot)
         return
     bounded = (policy.max_entries, policy.max_bytes)
     entry_bytes = args.entry_kib << 10
