@@ -63,10 +63,13 @@ def sandbox() -> None:
               help="CPU stand-ins dir (default: the checkout's tests/cpu_overlay).")
 @click.option("--instrument", is_flag=True,
               help="Start with the page ledger and the fault hooks on (what `sandbox soak` needs).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks per role (gloo on CPU).")
+@click.option("--decode-tp", type=int, default=None, help="Decode's own TP size (default: --tp): mismatched TP.")
+@click.option("--dp", type=int, default=1, show_default=True, help="DP-attention groups per role, inside its TP ranks.")
 def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, lb: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
-       overlay: Path | None, instrument: bool) -> None:
+       overlay: Path | None, instrument: bool, tp: int, decode_tp: int | None, dp: int) -> None:
     """Build the environment if needed and start a cluster.
 
     \b
@@ -74,6 +77,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
       sglang-hardened sandbox up --base 0.5.23 --hardened --lb smg --prefill-pool-tokens 2048
       sglang-hardened sandbox up --base 0.5.23 --hardened --instrument --prefill-pool-tokens 1024 \
         --decode-pool-tokens 2600 --env SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=8
+      sglang-hardened sandbox up --base 0.5.23 --hardened --tp 2 --decode-tp 1
     """
     try:
         old = _load(name)
@@ -84,7 +88,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
                                decode_context_length=decode_context_length,
                                page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                                waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env,
-                               lb=lb, via_launch=via_launch, instrument=instrument)
+                               lb=lb, via_launch=via_launch, instrument=instrument, tp=tp, decode_tp=decode_tp, dp=dp)
         params.validate()
         if via_launch and (upstream or wheel):
             raise SandboxError("--via-launch needs --hardened: `launch` comes with the hardened build's tool wheel")

@@ -70,6 +70,12 @@ class ClusterParams:
     lb: str = "mini-lb"  # or "hardened": `sglang-hardened lb` from the tool's own environment; or "smg"
     via_launch: bool = False  # servers start through `sglang-hardened launch` (H10's policy), as operators do
     instrument: bool = False  # the page ledger and fault hooks, switched by files in the run's folder
+    tp: int = 1  # tensor-parallel ranks of prefill (and of decode unless decode_tp says otherwise)
+    decode_tp: int | None = None  # decode's own TP size: a mismatched-TP deployment
+    dp: int = 1  # data-parallel attention groups on both roles (--enable-dp-attention), inside the TP ranks
+
+    def role_tp(self, role: str) -> int:
+        return self.decode_tp if role == "decode" and self.decode_tp else self.tp
 
     def validate(self) -> None:
         if self.base not in CUDA_GRAPHS_OFF:
@@ -80,6 +86,10 @@ class ClusterParams:
             raise SandboxError(f"unknown backend {self.backend!r}: choose {', '.join(BACKENDS)}")
         if self.lb not in LBS:
             raise SandboxError(f"unknown lb {self.lb!r}: choose {', '.join(LBS)}")
+        for role in ("prefill", "decode"):
+            if self.role_tp(role) < 1 or self.role_tp(role) % self.dp:
+                raise SandboxError(f"{role}'s TP size {self.role_tp(role)} must be a positive multiple of the "
+                                   f"DP size {self.dp} (DP attention splits the TP ranks into DP groups)")
 
 
 @dataclass
@@ -201,8 +211,8 @@ class Cluster:
         deadline = time.monotonic() + 30
         while any(port_in_use(p) for p in ports) and time.monotonic() < deadline:
             time.sleep(0.2)
-        pid, log = spawn(name, proc.cmd, child_env(env, self.params, self.run_id, self.instruments), self.run_dir,
-                          append=True)
+        pid, log = spawn(name, proc.cmd, child_env(env, self.params, self.run_id, self.instruments, name),
+                         self.run_dir, append=True)
         self.procs[name] = Proc(name, pid, log, proc.url, proc.port, proc.cmd)
         wait_ready(self, [name], time.monotonic() + deadline_s, healthy)
 
@@ -305,7 +315,21 @@ def _server_cmd(env: SandboxEnv, p: ClusterParams, model: Path, role: str, port:
            *cpu_flags(p, role)]
     if p.chunked_prefill_size:
         cmd += ["--chunked-prefill-size", str(p.chunked_prefill_size)]
-    return cmd + list(p.extra_flags)
+    return cmd + parallel_flags(p, role) + list(p.extra_flags)
+
+
+def parallel_flags(p: ClusterParams, role: str) -> list[str]:
+    """TP and DP-attention sizes; none for one rank, so a one-rank command is what it always was."""
+    flags = ["--tp-size", str(p.role_tp(role))] if p.role_tp(role) > 1 else []
+    return flags + (["--dp-size", str(p.dp), "--enable-dp-attention"] if p.dp > 1 else [])
+
+
+def rank_cores(ranks: int) -> str:
+    """SGLang's CPU rank-to-core binding (SGLANG_CPU_OMP_THREADS_BIND): without it more ranks than
+    NUMA nodes refuse to start. Ranks share this box's cores round-robin, one core each (OMP
+    threads are 1 here anyway): the roles' ranks overlap, as servers on one host do."""
+    cores = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cores[rank % len(cores)]) for rank in range(ranks))
 
 
 def cpu_flags(p: ClusterParams, role: str) -> list[str]:
@@ -320,8 +344,12 @@ def cpu_flags(p: ClusterParams, role: str) -> list[str]:
     return flags
 
 
-def child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instruments | None = None) -> dict[str, str]:
+def child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instruments | None = None,
+              role: str | None = None) -> dict[str, str]:
+    """A child's environment; ``role`` names a server's, whose ranks get their cores."""
     e = env.environ()
+    if role and p.role_tp(role) > 1:
+        e["SGLANG_CPU_OMP_THREADS_BIND"] = rank_cores(p.role_tp(role))
     e.update({
         MARKER: run_id,
         "SGLANG_USE_CPU_ENGINE": "1",
@@ -413,7 +441,8 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
             cmd = _server_cmd(role_envs[role], params, model, role, port)
             if role == "prefill":
                 cmd += ["--disaggregation-bootstrap-port", str(bp)]
-            pid, log = spawn(role, cmd, child_env(role_envs[role], params, run_id, cluster.instruments), run_dir)
+            pid, log = spawn(role, cmd, child_env(role_envs[role], params, run_id, cluster.instruments, role),
+                             run_dir)
             cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port, cmd)
         # mini-lb reaches the servers only per request, so it loads (it imports sglang) beside them;
         # ours and smg check their health at start (smg asks again only 30 s later), so they start

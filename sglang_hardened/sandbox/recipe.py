@@ -178,7 +178,7 @@ class Recipe:
             signal_group(cluster.procs[role].pid, signal.SIGKILL)
             reap(cluster.procs[role].pid)
         argv = self.localize(server.argv, role) + cpu_flags(cluster.params, role)
-        _start(self, role, argv, {**child_env(cluster.envs[role], cluster.params, cluster.run_id), **server.env})
+        _start(self, role, argv, {**child_env(cluster.envs[role], cluster.params, cluster.run_id, role=role), **server.env})
 
     def url(self, component: str) -> str:
         """Where the stand-in for a component's Service serves HTTP."""

@@ -51,6 +51,10 @@ request frees exactly the pages its page table holds.
   ``transfer`` answers ERR for the post the worker makes, so each build
   raises what it raises for a rejected post. Not a read fault either.
 
+A fault file's name may end in ``@RANK`` (``drop-last-page@1``): then it hits that tensor-parallel
+rank's transfers only (the process's ``torch.distributed`` rank; one-rank servers are rank 0), as a
+fault on one GPU or one NIC of a multi-rank server would.
+
 H8 refuses each read fault: the page read does not carry the request's (room, epoch).
 A dropped page's row was reset when decode allocated it and no row came; a
 swapped-in page's row was reset when its last owner released it (or holds an
@@ -72,23 +76,29 @@ SETTLE_S = 30.0  # how long a NIXL fault waits for the half write it posted to s
 LATE_S = 3.0  # how late post-rejected's half lands: under the release timeout, well after an ack at once
 
 
+def _rank() -> int:
+    import torch.distributed as dist  # here: the sandbox's tool reads this module's names without torch
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def armed(fault: str, pages: int) -> bool:
-    """Whether ``fault`` hits a transfer of ``pages`` pages now."""
+    """Whether ``fault`` hits a transfer of ``pages`` pages now, in this rank."""
     path = os.environ.get(FILE_ENV)
     if not path or pages < MIN_PAGES:
         return False
     try:
         with open(path) as f:
-            name = f.read().strip()
+            name, _, rank = f.read().strip().partition("@")
     except FileNotFoundError:
         return False
-    if name and name not in FAULTS:
-        raise ValueError(f"{path}: {name!r} is not one of {FAULTS}")
-    return name == fault
+    if name and name not in FAULTS or rank and not rank.isdigit():
+        raise ValueError(f"{path}: {name + '@' * bool(rank) + rank!r} is not one of {FAULTS}, optionally @RANK")
+    return name == fault and (not rank or int(rank) == _rank())
 
 
 def _hit(fault: str, room, what: str) -> None:
-    print(f"SANDBOX PAGE FAULT {fault}: room {int(room)}: {what}", file=sys.stderr, flush=True)
+    print(f"SANDBOX PAGE FAULT {fault}: room {int(room)}: {what} (rank {_rank()})", file=sys.stderr, flush=True)
 
 
 def dropping_last_page(req, send):
