@@ -32,7 +32,7 @@ REASONS: dict[str, tuple[str, ...]] = {
     "H3": ("unstated_coverage", "prompt_length_differs", "sender_shortfall"),
     "H4": ("prefill_ended",),
     "H7": ("limit_below_decode", "limit_unreadable"),  # per refused readiness check, not per request
-    "H8": ("tag_mismatch", "fail_closed"),
+    "H8": ("tag_mismatch", "fail_closed", "another_rank"),
     "H11": ("parallel_sampling",),
     "H12": ("sampling_params",),
     "H13": ("metadata_lost",),

@@ -16,7 +16,9 @@ Where the tags live and travel:
   index, so a row reaches decode exactly when its page's KV does.
 - Decode checks the pages in the request's page table before its first
   decode step (`refuse_untagged`) and forgets the epoch there or when the
-  request is released before it (`release`).
+  request is released before it (`release`). With tensor parallelism each
+  rank checks its own shard, and a refusal on any rank is every rank's
+  (`rank_agreement`).
 
 The end-to-end tests inject faults that H8 must catch from the test overlay
 (`tests/cpu_overlay/site/sgl_faults.py`), on upstream and hardened builds alike.
@@ -29,6 +31,8 @@ import struct
 
 import torch
 
+from . import metrics
+from .rank_agreement import refused_on_any_rank
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
 from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
@@ -36,6 +40,9 @@ from .page_tags_switch import TAGS_ENV, tags_on
 from .page_tags_cost import CostMeter
 
 FRAME_MAGIC = b"sglang-hardened-H8:"
+OTHER_RANK = ("sglang-hardened H8: request room={room}: its pages on another tensor-parallel rank of this "
+              "decode do not carry its tag (that rank's transfer did not write them all); every rank "
+              "aborts it, so the ranks stay in step")
 
 log = logging.getLogger("sglang_hardened")
 
@@ -166,6 +173,11 @@ def refuse_untagged(transfer_queue, decode_req) -> bool:
     except PageTagMismatch as closed:
         reason = str(closed)
     release(decode_req)
+    # every rank checks its own shard of the pages; all abort, or none (else decode's ranks diverge)
+    if refused_on_any_rank(getattr(transfer_queue, "gloo_group", None), reason is not None) and reason is None:
+        reason = OTHER_RANK.format(room=req.bootstrap_room)
+        log.error(reason)
+        metrics.refused("H8", "decode", "another_rank")
     if reason is None:
         return False
     abort_before_decode(decode_req, f"{reason} (refused so far: {tags.mismatched_requests})")
