@@ -117,3 +117,15 @@ def test_fail_closed_refuses_clean_requests_after_a_mismatch(aborted):
     seams.allocate(clean, [2, 3, 4])
     tags.buffer.stamp([2, 3, 4], ROOM, clean.hardened_epoch)
     assert seams.refuse_untagged(queue, clean) and "stopped admitting" in aborted[1]
+
+
+@pytest.mark.parametrize("prefill_tp,mla,named", [(2, False, True), (1, False, False), (2, True, False)])
+def test_a_refusal_between_unequal_tp_sizes_names_them(aborted, prefill_tp, mla, named):
+    """Upstream's head-sliced sender (MHA between unequal TP sizes) carries no tags: the refusal
+    says so, where an operator can act on it; MLA and equal sizes move whole pages, tagged."""
+    dreq = decode_req(DecodePageTags(16), 10)
+    dreq.kv_receiver.prefill_info = SimpleNamespace(attn_tp_size=prefill_tp)
+    dreq.kv_receiver.kv_mgr.attn_tp_size, dreq.kv_receiver.kv_mgr.is_mla_backend = 1, mla
+    seams.allocate(dreq, [2, 3, 4])
+    assert seams.refuse_untagged(transfer_queue(torch.arange(8, 24).unsqueeze(0).clone()), dreq)
+    assert ("prefill runs attention TP 2, this decode 1" in aborted[0]) == named, aborted

@@ -180,8 +180,24 @@ def refuse_untagged(transfer_queue, decode_req) -> bool:
         metrics.refused("H8", "decode", "another_rank")
     if reason is None:
         return False
-    abort_before_decode(decode_req, f"{reason} (refused so far: {tags.mismatched_requests})")
+    abort_before_decode(decode_req, f"{reason}{_unequal_tp(decode_req)} (refused so far: {tags.mismatched_requests})")
     return True
+
+
+UNEQUAL_TP = ("; prefill runs attention TP {prefill}, this decode {decode}: SGLang moves KV between unequal TP "
+              "sizes by head slices, which carry no page tags, so H8 refuses every such transfer (run both roles "
+              "at one TP size)")
+
+
+def _unequal_tp(decode_req) -> str:
+    """Why every transfer of this pair is refused, when its roles run unequal attention TP sizes
+    (upstream's head-sliced sender, which H8 does not cover); empty otherwise."""
+    receiver = decode_req.kv_receiver
+    manager = getattr(receiver, "kv_mgr", None)
+    prefill = getattr(getattr(receiver, "prefill_info", None), "attn_tp_size", None)
+    decode = getattr(manager, "attn_tp_size", None)
+    sliced = prefill and decode and prefill != decode and not getattr(manager, "is_mla_backend", False)
+    return UNEQUAL_TP.format(prefill=prefill, decode=decode) if sliced else ""
 
 
 def release(decode_req) -> None:
