@@ -1,21 +1,25 @@
-"""H8 across tensor-parallel ranks, on two real gloo ranks (processes): a refusal on one rank is
-every rank's, so decode's ranks stay in step (one aborting a request the other decodes hung
-decode for everyone: tests/e2e/test_multi_rank.py shows it on a cluster)."""
+"""Decisions that must be one across tensor-parallel ranks, on two real gloo ranks (processes):
+H8's refusal on decode, H5's hold of a failed request's source pages on prefill. Each rank
+decided alone before, and a rank that aborted or held what the other did not hung the server
+for everyone (tests/e2e/test_multi_rank.py shows both on clusters)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from sglang_hardened.runtime import page_tags_seams as seams
+from sglang_hardened.runtime import source_hold
 from sglang_hardened.runtime.page_tags import DecodePageTags
-from sglang_hardened.runtime.rank_agreement import refused_on_any_rank
+from sglang_hardened.runtime.rank_agreement import any_rank
 from tests.test_page_tags_seams import ROOM, decode_req, transfer_queue
+from tests.test_source_hold import Sender
 
 RANKS = 2
 
@@ -47,13 +51,14 @@ def on_ranks(job: Callable[[int, dist.ProcessGroup], object]) -> list[object]:
     return [results[rank] for rank in range(RANKS)]
 
 
-@pytest.mark.parametrize("refusals", [(False, False), (True, False), (False, True), (True, True)])
-def test_a_refusal_on_any_rank_is_every_ranks(refusals):
-    assert on_ranks(lambda rank, group: refused_on_any_rank(group, refusals[rank])) == [any(refusals)] * RANKS
+@pytest.mark.parametrize("flags", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_flag_on_any_rank_is_every_ranks(flags):
+    got = on_ranks(lambda rank, group: any_rank([flags[rank], not flags[rank]], (None, group)))
+    assert got == [[any(flags), not all(flags)]] * RANKS
 
 
 def test_one_rank_or_no_group_keeps_its_own_verdict():
-    assert refused_on_any_rank(None, True) and not refused_on_any_rank(None, False)
+    assert any_rank([True, False], (None,)) == [True, False] and any_rank([], ()) == []
 
 
 def _check_with_rank_one_short(rank: int, group: dist.ProcessGroup) -> list[str]:
@@ -75,3 +80,21 @@ def test_pages_short_on_one_rank_abort_the_request_on_every_rank():
     on_rank0, on_rank1 = on_ranks(_check_with_rank_one_short)
     assert on_rank1 and "1 of its 3 pages" in on_rank1[0]
     assert on_rank0 and "another tensor-parallel rank" in on_rank0[0], "rank 0 would decode what rank 1 aborted"
+
+
+def _source_hold_with_rank_zero_sending(rank: int, group: dist.ProcessGroup) -> list[bool]:
+    """A failed request whose chunk rank 0's worker still sends (rank 1's is done), and an
+    aborted one parked the same way; what each rank decides, in order."""
+    scheduler = SimpleNamespace(attn_cp_cpu_group=None, attn_tp_cpu_group=group)
+    source_hold.process_release_timeout_s = lambda: 8.0
+    in_flight = 1 if rank == 0 else 0
+    failed_kept = source_hold.still_sending(Sender(1, in_flight), scheduler)
+    released: list[str] = []
+    source_hold.release_when_sent("aborted", Sender(2, in_flight), lambda: released.append("aborted"), scheduler)
+    source_hold.release_parked(scheduler)
+    return [failed_kept, not released]
+
+
+def test_a_failed_request_is_held_on_every_rank_while_any_rank_still_sends_it():
+    assert on_ranks(_source_hold_with_rank_zero_sending) == [[True, True]] * RANKS, \
+        "rank 1 released what rank 0 held: their queues and free pools diverge"

@@ -46,21 +46,21 @@ def test_nothing_in_flight_releases_at_once(timeout_s):
 def test_held_while_a_chunk_is_in_flight_then_released_when_it_returns(timeout_s, caplog):
     clock, sender = Clock(), Sender(3, 1)
     with caplog.at_level(logging.INFO, logger="sglang_hardened"):
-        assert source_hold.still_sending(sender, clock)
+        assert source_hold.still_sending(sender, clock=clock)
         clock.now += source_hold.HOLD_TIMEOUTS * timeout_s - 1
-        assert source_hold.still_sending(sender, clock)
+        assert source_hold.still_sending(sender, clock=clock)
         sender.kv_mgr._staging_outstanding[3] = 0
-        assert not source_hold.still_sending(sender, clock)
+        assert not source_hold.still_sending(sender, clock=clock)
     assert [r.message.count("room 3") for r in caplog.records] == [1, 1], "one line when held, one when released"
 
 
 def test_a_transfer_that_never_returns_is_released_after_the_timeout_for_good(timeout_s):
     clock, sender = Clock(), Sender(4, 1)
-    assert source_hold.still_sending(sender, clock)
+    assert source_hold.still_sending(sender, clock=clock)
     clock.now += source_hold.HOLD_TIMEOUTS * timeout_s
-    assert not source_hold.still_sending(sender, clock)
+    assert not source_hold.still_sending(sender, clock=clock)
     clock.now += 1
-    assert not source_hold.still_sending(sender, clock), "an expired hold does not start again"
+    assert not source_hold.still_sending(sender, clock=clock), "an expired hold does not start again"
 
 
 def test_a_release_outside_the_queue_waits_for_the_transfer_and_runs_once(timeout_s):
@@ -71,28 +71,28 @@ def test_a_release_outside_the_queue_waits_for_the_transfer_and_runs_once(timeou
     source_hold.release_when_sent("warm-up", None, lambda: released.append("warm-up"))
     assert released == ["idle", "warm-up"] and not source_hold.parked()
     clock, sender, req = Clock(), Sender(5, 1), object()
-    source_hold.release_when_sent(req, sender, lambda: released.append("req"), clock)
-    source_hold.release_when_sent(req, sender, lambda: released.append("again"), clock)  # a second retire
+    source_hold.release_when_sent(req, sender, lambda: released.append("req"), clock=clock)
+    source_hold.release_when_sent(req, sender, lambda: released.append("again"), clock=clock)  # a second retire
     assert source_hold.parked(req) and source_hold.parked()
-    source_hold.release_parked(clock)
+    source_hold.release_parked(clock=clock)
     assert released == ["idle", "warm-up"], "released while the chunk still reads its pages"
     sender.kv_mgr._staging_outstanding[5] = 0
-    source_hold.release_parked(clock)
-    source_hold.release_parked(clock)
+    source_hold.release_parked(clock=clock)
+    source_hold.release_parked(clock=clock)
     assert released == ["idle", "warm-up", "req"] and not source_hold.parked()
 
 
 def test_a_parked_release_runs_when_its_hold_runs_out(timeout_s, caplog):
     released: list[str] = []
     clock, req = Clock(), object()
-    source_hold.release_when_sent(req, Sender(6, 1), lambda: released.append("req"), clock)
+    source_hold.release_when_sent(req, Sender(6, 1), lambda: released.append("req"), clock=clock)
     clock.now += source_hold.HOLD_TIMEOUTS * timeout_s - 1
-    source_hold.release_parked(clock)
+    source_hold.release_parked(clock=clock)
     assert not released
     clock.now += 1
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="sglang_hardened"):
-        source_hold.release_parked(clock)
+        source_hold.release_parked(clock=clock)
     assert released == ["req"] and not source_hold.parked(req)
     assert [r.levelno for r in caplog.records if "room 6" in r.message] == [logging.WARNING], \
         "a release the bound forced, under a write that may still read the pages, is a warning"

@@ -32,7 +32,7 @@ import struct
 import torch
 
 from . import metrics
-from .rank_agreement import refused_on_any_rank
+from .rank_agreement import any_rank
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
 from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
@@ -174,7 +174,7 @@ def refuse_untagged(transfer_queue, decode_req) -> bool:
         reason = str(closed)
     release(decode_req)
     # every rank checks its own shard of the pages; all abort, or none (else decode's ranks diverge)
-    if refused_on_any_rank(getattr(transfer_queue, "gloo_group", None), reason is not None) and reason is None:
+    if any_rank([reason is not None], (getattr(transfer_queue, "gloo_group", None),))[0] and reason is None:
         reason = OTHER_RANK.format(room=req.bootstrap_room)
         log.error(reason)
         metrics.refused("H8", "decode", "another_rank")

@@ -25,6 +25,13 @@ would otherwise hold the pages for as long as the peer is stalled. Such a
 write may then read pages given to another request, into the decode pages of
 a room that failed, which decode holds until prefill's drain ack
 (``release_guard``) and never reads. Past it the pages go back, logged.
+
+With tensor parallelism each rank has its own worker and count, and one rank's
+transfer can fail while another's still sends. The ranks must still keep or
+release the same requests at the same iteration (else their queues and free
+pools diverge and the next collective hangs prefill), so every decision here is
+shared over the scheduler's groups (``rank_agreement``): a request is held
+while any rank still holds it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import weakref
 from collections.abc import Callable
 
 from . import metrics, nixl_drain
+from .rank_agreement import any_rank, scheduler_groups
 from .release_timeout import process_release_timeout_s
 
 log = logging.getLogger("sglang_hardened")
@@ -68,12 +76,17 @@ def _ran_out(sender, held_s: float) -> None:
                 "timeouts); they go back", sender.bootstrap_room, held_s, HOLD_TIMEOUTS)
 
 
-def still_sending(sender, clock: Callable[[], float] = time.monotonic) -> bool:
+def still_sending(sender, scheduler: object | None = None, clock: Callable[[], float] = time.monotonic) -> bool:
     """Seam, prefill's inflight queue on a Failed poll: must the request keep its pages?
 
-    True while the transfer worker still reads the room's source pages, for at
-    most ``HOLD_TIMEOUTS`` release timeouts from the first poll that asked.
+    True while the transfer worker of any of ``scheduler``'s ranks still reads the room's
+    source pages, for at most ``HOLD_TIMEOUTS`` release timeouts from the first poll that asked.
     """
+    return any_rank([_held_here(sender, clock)], scheduler_groups(scheduler))[0]
+
+
+def _held_here(sender, clock: Callable[[], float]) -> bool:
+    """``still_sending`` as this rank's own worker sees it."""
     if _in_flight(sender) <= 0:
         if (since := _held_since.pop(sender, _EXPIRED)) != _EXPIRED:
             metrics.hold_ended("prefill", "writes_done", clock() - since)
@@ -98,13 +111,15 @@ def still_sending(sender, clock: Callable[[], float] = time.monotonic) -> bool:
 _parked: dict[int, tuple[object, object, float, Callable[[], None]]] = {}  # id(req): req, sender, since, release
 
 
-def release_when_sent(req, sender, release: Callable[[], None], clock: Callable[[], float] = time.monotonic) -> None:
+def release_when_sent(req, sender, release: Callable[[], None], scheduler: object | None = None,
+                      clock: Callable[[], float] = time.monotonic) -> None:
     """Seam, prefill's releases of an aborted request outside the inflight queue (an abort
     between chunks; a chunk's result that comes back aborted): ``release`` now, or, while the
-    transfer still reads the request's pages, once it stops (``release_parked``)."""
+    transfer of any of ``scheduler``'s ranks still reads the request's pages, once none does
+    (``release_parked``)."""
     if id(req) in _parked:
         return
-    if sender is None or _in_flight(sender) <= 0:
+    if sender is None or not any_rank([_in_flight(sender) > 0], scheduler_groups(scheduler))[0]:
         release()
         return
     _parked[id(req)] = (req, sender, clock(), release)
@@ -119,19 +134,22 @@ def parked(req: object | None = None) -> bool:
     return id(req) in _parked if req is not None else bool(_parked)
 
 
-def release_parked(clock: Callable[[], float] = time.monotonic) -> None:
+def release_parked(scheduler: object | None = None, clock: Callable[[], float] = time.monotonic) -> None:
     """Seam, every prefill scheduler iteration: run the parked releases whose transfer stopped
-    reading, or whose hold ran out (``HOLD_TIMEOUTS`` release timeouts, logged)."""
+    reading on every rank, or whose hold ran out there (``HOLD_TIMEOUTS`` release timeouts,
+    logged). Every rank parks the same requests in the same order, so they agree entry by entry."""
     if not _parked:
         return
     now = clock()
-    for key, (_, sender, since, release) in list(_parked.items()):
+    entries = list(_parked.items())
+    keep_here = [_in_flight(sender) > 0 and _within_hold(since, now) for _, (_, sender, since, _) in entries]
+    for (key, (_, sender, since, release)), keep in zip(entries, any_rank(keep_here, scheduler_groups(scheduler))):
+        if keep:
+            continue
         if _in_flight(sender) <= 0:
             metrics.hold_ended("prefill", "writes_done", now - since)
             log.info("sglang-hardened H5: room %s: the transfer stopped reading; its aborted request's prefill KV "
                      "pages go back", sender.bootstrap_room)
-        elif _within_hold(since, now):
-            continue
         else:
             _ran_out(sender, now - since)
         del _parked[key]
