@@ -67,14 +67,20 @@ class Build:
     backend: str
     hardened: bool
     between_hosts: bool = False
+    tp: int = 1  # prefill's tensor-parallel ranks (test_multi_rank.py)
+    decode_tp: int = 1
 
     @property
     def flavour(self) -> str:
         return "hardened" if self.hardened else "upstream"
 
     @property
+    def ranks(self) -> str:
+        return "" if self.tp == self.decode_tp == 1 else f"tp{self.tp}x{self.decode_tp}"
+
+    @property
     def id(self) -> str:
-        return f"{self.base}-{self.backend}-{self.flavour}" + "-tcp" * self.between_hosts
+        return "-".join(filter(None, (self.base, self.backend, self.flavour, "tcp" * self.between_hosts, self.ranks)))
 
 
 def _both(base: str, backend: str, between_hosts: bool = False) -> list[Build]:
@@ -127,7 +133,7 @@ class FaultCluster:
 
     @property
     def name(self) -> str:
-        return f"{self.build.base} {self.build.backend} {self.build.flavour}"
+        return " ".join(filter(None, (self.build.base, self.build.backend, self.build.flavour, self.build.ranks)))
 
     def unsafe(self, room: int, killed_at: float = float("inf")) -> list:
         return [u for u in Ledger(self.ledger_dir).unsafe_frees(killed_at) if u.room == room]
@@ -139,15 +145,16 @@ class FaultCluster:
         return send_mid_transfer(self.cluster, self.ledger_dir, uuid.uuid4().hex, self.slow_switch)
 
     def send_with_fault(self, fault: str, wait_s: float = TOLD_WITHIN_S + 10) -> tuple[InFlight, Answer]:
-        """One request caught mid-transfer with ``fault`` hitting prefill's transfers; it and
-        decode's answer (status None: none within ``wait_s``)."""
+        """One request caught mid-transfer with ``fault`` hitting prefill's transfers (``fault@RANK``:
+        that rank's only); it and decode's answer (status None: none within ``wait_s``)."""
         self.fault_file.write_text(fault)
         try:
             req = self.catch_mid_transfer()
             req.read_answers(120)
             wait_for(self.ledger_dir, "end", timeout_s=SLOW_S + 30, after=req.sent_at)
             # a fault hooked after the write (aux-cut, at the metadata send) reads the switch later
-            hit, deadline = f"SANDBOX PAGE FAULT {fault}: room {req.room}", time.monotonic() + 30
+            hit = f"SANDBOX PAGE FAULT {fault.partition('@')[0]}: room {req.room}"  # fault@RANK: that rank's
+            deadline = time.monotonic() + 30
             while hit not in self.cluster.log_tail("prefill", 400) and time.monotonic() < deadline:
                 time.sleep(0.1)
         finally:
@@ -174,16 +181,22 @@ def fc(request, tmp_path_factory):
     """The fault cluster of the test's build. One fixture for every build, so pytest stops a
     cluster before it starts the next: SGLang's idle CPU schedulers spin, and a cluster kept
     alive beside the next one slowed that one's start 3-6 times on 2 cores."""
-    build: Build = request.param
+    fault_cluster = start_fault_cluster(request.param, tmp_path_factory.mktemp("instruments"), PARAMS)
+    yield fault_cluster
+    fault_cluster.cluster.stop()
+
+
+def start_fault_cluster(build: Build, folder: Path, params: dict, extra_env: tuple[str, ...] = ()) -> FaultCluster:
+    """A cluster of ``build`` with ``params``, its instruments in ``folder``; the caller stops it."""
     env = sandbox_env(build.base, hardened=build.hardened)
-    instruments = Instruments(tmp_path_factory.mktemp("instruments")).prepare()
-    cluster = launch(env, backend=build.backend, **PARAMS, extra_flags=METRICS_FLAGS, extra_env=(
-        *instruments.env(), *HEARTBEAT,
-        f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
-        f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}",
-        *(UCX_BETWEEN_HOSTS if build.between_hosts else ())))
-    yield FaultCluster(build, env, cluster, instruments, cluster.used_tokens())
-    cluster.stop()
+    instruments = Instruments(folder).prepare()
+    cluster = launch(env, backend=build.backend, **params, tp=build.tp, decode_tp=build.decode_tp,
+                     extra_flags=METRICS_FLAGS, extra_env=(
+                         *instruments.env(), *HEARTBEAT, *extra_env,
+                         f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
+                         f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={RELEASE_TIMEOUT_S}",
+                         *(UCX_BETWEEN_HOSTS if build.between_hosts else ())))
+    return FaultCluster(build, env, cluster, instruments, cluster.used_tokens())
 
 
 def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = None,

@@ -1,0 +1,43 @@
+"""The sandbox's rank layout: what each role is started with, and the layouts it refuses."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sglang_hardened.sandbox.cluster import ClusterParams, child_env, parallel_flags, rank_cores
+from sglang_hardened.sandbox.env import SandboxEnv, SandboxError
+
+
+def test_one_rank_adds_no_flag_and_no_binding(tmp_path):
+    p = ClusterParams(base="0.5.23")
+    assert parallel_flags(p, "prefill") == parallel_flags(p, "decode") == []
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in child_env(SandboxEnv("0.5.23", tmp_path / "python", ()), p, "r", role="decode")
+
+
+def test_each_role_gets_its_own_tp_size_and_cores(tmp_path):
+    p = ClusterParams(base="0.5.23", tp=2, decode_tp=1)
+    assert parallel_flags(p, "prefill") == ["--tp-size", "2"] and parallel_flags(p, "decode") == []
+    env = SandboxEnv("0.5.23", tmp_path / "python", ())
+    cores = sorted(os.sched_getaffinity(0))
+    assert child_env(env, p, "r", role="prefill")["SGLANG_CPU_OMP_THREADS_BIND"] == f"{cores[0]}|{cores[1 % len(cores)]}"
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in child_env(env, p, "r", role="decode")
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in child_env(env, p, "r")  # the load balancer has no ranks
+
+
+def test_more_ranks_than_cores_share_them_round_robin():
+    cores = sorted(os.sched_getaffinity(0))
+    ranks = len(cores) + 1
+    assert rank_cores(ranks).split("|") == [str(cores[r % len(cores)]) for r in range(ranks)]
+
+
+def test_dp_attention_splits_the_tp_ranks():
+    p = ClusterParams(base="0.5.23", tp=2, dp=2)
+    assert parallel_flags(p, "decode") == ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
+
+
+@pytest.mark.parametrize("layout", [dict(tp=0), dict(tp=2, decode_tp=3, dp=2), dict(tp=3, dp=2)])
+def test_a_layout_sglang_cannot_start_is_refused_naming_the_role(layout):
+    with pytest.raises(SandboxError, match="TP size .* must be a positive multiple of the DP size"):
+        ClusterParams(base="0.5.23", **layout).validate()
