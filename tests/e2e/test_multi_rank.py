@@ -24,25 +24,32 @@ from packaging.version import Version
 from sglang_hardened.runtime.page_tags_seams import OTHER_RANK
 from tests.conftest import phase
 
-from .scenarios import (DEPTH, FITTING_C, FULL_MATRIX, LEAK_PARAMS, observe_leak, observe_probes, prompt_of, replies,
-                        shows_nothing_decoded, wait_pages_idle)
-from .test_fault_matrix import (LOST_PEER_S, RELEASE_TIMEOUT_S, TOLD_WITHIN_S, Build, FaultCluster, _report,
-                                _serves_within, on, restart, start_fault_cluster)
+from .conftest import sandbox_env
+from .scenarios import (DEPTH, FITTING_C, FULL_MATRIX, LEAK_PARAMS, OVERSIZED_B, TRUNC_PARAMS, observe_leak,
+                        observe_probes, prompt_of, replies, shows_nothing_decoded, wait_pages_idle)
+from .test_fault_matrix import (LOST_PEER_S, RELEASE_TIMEOUT_S, Build, FaultCluster, _report, _serves_within,
+                                check_fails_part_way, on, restart, start_fault_cluster)
 
 pytestmark = pytest.mark.e2e
 
 RANKS = [(2, 2), (2, 1), (1, 2)]
 # CI: one TP configuration per base, both builds (the full matrix: every size, base and backend)
 CI_RANKS = [("0.5.23", "mooncake", 2, 2), ("0.5.19", "mooncake", 2, 1)]
+# NIXL between unequal TP sizes does not run on CPU: upstream refuses heterogeneous TP toward
+# host memory (NotImplementedError "NIXL heterogeneous-TP direct-to-host KV transfer is not
+# implemented safely yet", 0.5.19 and 0.5.23), and this harness's KV pools are host memory.
 RANK_BUILDS = [Build(base, backend, hardened, tp=tp, decode_tp=dtp)
                for base in ("0.5.19", "0.5.23") for backend in ("mooncake", "nixl") for tp, dtp in RANKS
                for hardened in (False, True)
-               if FULL_MATRIX or (base, backend, tp, dtp) in CI_RANKS]
+               if (FULL_MATRIX or (base, backend, tp, dtp) in CI_RANKS) and (backend == "mooncake" or tp == dtp)]
 EQUAL = [b for b in RANK_BUILDS if b.tp == b.decode_tp]
 H8_REFUSED = "sglang-hardened H8"
 UNEQUAL_TP = "prefill runs attention TP"
 FAULT_PROBE = prompt_of(17)  # over the faults' 16-page floor; one page moves the tiny model's output
 OTHER_RANK_SAYS = OTHER_RANK.split("{room}: ")[1][:40]
+# The truncation scenario needs a cluster of its own (unequal limits, 16-token pages): CI runs
+# hardened 0.5.23 TP 2/2 (upstream's read is shown with one rank in CI, test_oversized.py)
+TRUNC_BUILDS = RANK_BUILDS if FULL_MATRIX else [Build("0.5.23", "mooncake", True, tp=2, decode_tp=2)]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +69,31 @@ def fc(request, tmp_path_factory):
 def sliced(fc: FaultCluster) -> bool:
     """This pair moves KV by head slices (unequal TP sizes, an MHA model): no page tags."""
     return fc.build.tp != fc.build.decode_tp
+
+
+@pytest.mark.parametrize("build", TRUNC_BUILDS, ids=lambda b: b.id)
+def test_truncation_with_unequal_limits_across_ranks(start_cluster, build):
+    """Prefill truncates the prompt to its limit and decode keeps it whole: upstream decodes
+    over pages no transfer wrote, behind a 200 whose output depends on the tenant before;
+    hardened refuses it on every rank with nothing decoded (H3, or between unequal TP sizes
+    H8's refusal of the untagged head slices), and serves the control where the sizes match."""
+    untagged = build.hardened and build.tp != build.decode_tp
+    cluster = start_cluster(sandbox_env(build.base, hardened=build.hardened), backend=build.backend, **TRUNC_PARAMS,
+                            tp=build.tp, decode_tp=build.decode_tp, probe_transfer=not untagged,
+                            extra_env=DEPTH["extra_env"] if build.hardened else ())
+    idle = cluster.used_tokens()
+    with phase(f"scenario truncation {build.id}"):
+        v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "control": FITTING_C})
+    apart, control = v["pages_apart"], v["control"]
+    if not build.hardened:
+        assert all(r.status == 200 for r in replies(apart)) and apart.leaked, apart.replies
+    else:
+        assert shows_nothing_decoded(apart), apart.replies
+    if untagged:
+        assert all(r.status == 500 and UNEQUAL_TP in r.body for r in replies(control)), control.replies
+    else:
+        assert all(r.status == 200 for r in replies(control)) and not control.leaked, control.replies
+    assert wait_pages_idle(cluster, idle) == idle, "pages leaked"
 
 
 @on([b for b in RANK_BUILDS if b.hardened or b.base == "0.5.19"])
@@ -86,32 +118,39 @@ def test_the_incident_across_ranks(fc):
     assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
 
 
+# The read fault of each backend that can hit one rank: Mooncake's sender leaves a page out (prefill's
+# rank); NIXL's gets a decode-side one, the same on any backend (a stale page in one rank's page table).
+READ_FAULTS = {"mooncake": ("drop-last-page", "prefill"), "nixl": ("stale-page-index", "decode")}
+
+
 @on(EQUAL)
 @pytest.mark.parametrize("rank", [1, 0] if FULL_MATRIX else [1])  # CI: the rank whose peer must learn of it
-def test_a_page_left_out_by_one_ranks_transfer(fc, rank):
-    """One rank's transfer leaves out a page (the others write theirs). Hardened: every rank
-    aborts the request (H8's verdict is shared: before, the clean rank decoded it while the
-    other aborted, and decode answered no one again), the next request is served. Upstream:
-    200, with output that depends on other tenants."""
-    fc.fault_file.write_text(f"drop-last-page@{rank}")
+def test_a_page_one_rank_did_not_write(fc, rank):
+    """One rank's request reads a page its transfer did not write (the other ranks' are whole).
+    Hardened: every rank aborts the request (H8's verdict is shared: before, the clean rank
+    decoded it while the other aborted, and decode answered no one again), and the next request
+    is served. Upstream: 200, with output that depends on other tenants."""
+    fault, role = READ_FAULTS[fc.build.backend]
+    fc.fault_file.write_text(f"{fault}@{rank}")
     try:
-        with phase(f"scenario fault drop-last-page@{rank} {fc.name}"):
+        with phase(f"scenario fault {fault}@{rank} {fc.name}"):
             if fc.hardened:
                 got = [fc.cluster.generate(FAULT_PROBE, timeout=120) for _ in range(2)]
             else:
                 v = observe_probes(fc.cluster, {"probe": FAULT_PROBE})["probe"]
     finally:
         fc.fault_file.write_text("")
-    hits = fc.cluster.log_tail("prefill", 10**6).count(f"left unwritten (rank {rank})")
+    hits = [line for line in fc.cluster.log_tail(role, 10**6).splitlines()
+            if f"SANDBOX PAGE FAULT {fault}:" in line and line.endswith(f"(rank {rank})")]
     if fc.hardened:
         assert all(r.status == 500 and H8_REFUSED in r.body for r in got), got
         says_other = [OTHER_RANK_SAYS in r.body for r in got]  # the client reads rank 0's message
         assert says_other == [rank != 0] * len(got), got
         assert fc.cluster.generate(FITTING_C, timeout=120).status == 200
-        assert hits >= 2
+        assert len(hits) >= 2
     else:
         assert all(r.status == 200 for r in replies(v)) and v.leaked, v.replies
-        assert hits >= 4
+        assert len(hits) >= 4
     assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
 
 
@@ -120,20 +159,11 @@ def test_one_ranks_transfer_fails_part_way(fc):
     """Rank 1's send writes half its pages and fails; rank 0's completes. Prefill fails the
     room, the client gets a 500 (not a 200 over half-written pages, not decode's waiting
     timeout), no page goes back under a live write on any rank, and decode serves again
-    (upstream 0.5.19 blacklists the session: it is restarted, as its operators must)."""
-    req, ans = fc.send_with_fault("fail-part-way@1")
-    if fc.build.backend == "nixl" and not fc.hardened and Version(fc.build.base) < Version("0.5.20"):
-        assert ans.status is None, ans  # its NIXL worker fails the room without telling decode (test_fault_matrix)
-        fc.abort("decode", req.rid)
-    else:
-        assert ans.status == 500 and ans.seconds < TOLD_WITHIN_S, ans
-    assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
-    unsafe = fc.unsafe(req.room)
-    _report(fc, "rank 1's transfer failed part-way", req, unsafe)
-    assert not unsafe, "\n".join(map(str, unsafe[:5]))
-    if not (fc.hardened or Version(fc.build.base) >= Version("0.5.23")):
-        restart(fc.cluster, "decode", fc.env)
-    assert _serves_within(fc.cluster, 10), "decode never served again"
+    (upstream 0.5.19 blacklists the session: it serves no more until restarted)."""
+    # upstream before 0.5.23 frees decode's pages at the failure, which rank 0's write may still
+    # reach (the full matrix saw 0.5.19 Mooncake do it): its pages are reported, not judged
+    check_fails_part_way(fc, "fail-part-way@1", "rank 1's transfer failed part-way",
+                         judge_pages=fc.hardened or Version(fc.build.base) >= Version("0.5.23"))
 
 
 def scheduler_pid(fc: FaultCluster, role: str, rank: int) -> int:
