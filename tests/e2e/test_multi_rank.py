@@ -48,8 +48,11 @@ UNEQUAL_TP = "prefill runs attention TP"
 FAULT_PROBE = prompt_of(17)  # over the faults' 16-page floor; one page moves the tiny model's output
 OTHER_RANK_SAYS = OTHER_RANK.split("{room}: ")[1][:40]
 # The truncation scenario needs a cluster of its own (unequal limits, 16-token pages): CI runs
-# hardened 0.5.23 TP 2/2 (upstream's read is shown with one rank in CI, test_oversized.py)
-TRUNC_BUILDS = RANK_BUILDS if FULL_MATRIX else [Build("0.5.23", "mooncake", True, tp=2, decode_tp=2)]
+# hardened 0.5.23 TP 2/2, the full matrix every hardened layout. Upstream's read is shown with one
+# rank (test_oversized.py); on 0.5.19 TP 2/2 (Mooncake, NIXL) every answer was 200 but the
+# differential oracle saw no output move with the tenant before, so it is not claimed here.
+TRUNC_BUILDS = ([b for b in RANK_BUILDS if b.hardened] if FULL_MATRIX
+                else [Build("0.5.23", "mooncake", True, tp=2, decode_tp=2)])
 
 
 @pytest.fixture(scope="module")
@@ -73,22 +76,17 @@ def sliced(fc: FaultCluster) -> bool:
 
 @pytest.mark.parametrize("build", TRUNC_BUILDS, ids=lambda b: b.id)
 def test_truncation_with_unequal_limits_across_ranks(start_cluster, build):
-    """Prefill truncates the prompt to its limit and decode keeps it whole: upstream decodes
-    over pages no transfer wrote, behind a 200 whose output depends on the tenant before;
-    hardened refuses it on every rank with nothing decoded (H3, or between unequal TP sizes
-    H8's refusal of the untagged head slices), and serves the control where the sizes match."""
-    untagged = build.hardened and build.tp != build.decode_tp
-    cluster = start_cluster(sandbox_env(build.base, hardened=build.hardened), backend=build.backend, **TRUNC_PARAMS,
-                            tp=build.tp, decode_tp=build.decode_tp, probe_transfer=not untagged,
-                            extra_env=DEPTH["extra_env"] if build.hardened else ())
+    """Prefill truncates the prompt to its limit and decode keeps it whole: hardened refuses it
+    on every rank with nothing decoded (H3, or between unequal TP sizes H8's refusal of the
+    untagged head slices), and serves the control where the sizes match."""
+    untagged = build.tp != build.decode_tp
+    cluster = start_cluster(sandbox_env(build.base, hardened=True), backend=build.backend, **TRUNC_PARAMS,
+                            tp=build.tp, decode_tp=build.decode_tp, probe_transfer=not untagged, **DEPTH)
     idle = cluster.used_tokens()
     with phase(f"scenario truncation {build.id}"):
         v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "control": FITTING_C})
     apart, control = v["pages_apart"], v["control"]
-    if not build.hardened:
-        assert all(r.status == 200 for r in replies(apart)) and apart.leaked, apart.replies
-    else:
-        assert shows_nothing_decoded(apart), apart.replies
+    assert shows_nothing_decoded(apart), apart.replies
     if untagged:
         assert all(r.status == 500 and UNEQUAL_TP in r.body for r in replies(control)), control.replies
     else:
