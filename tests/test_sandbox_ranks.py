@@ -37,7 +37,13 @@ def test_dp_attention_splits_the_tp_ranks():
     assert parallel_flags(p, "decode") == ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
 
 
-@pytest.mark.parametrize("layout", [dict(tp=0), dict(tp=2, decode_tp=3, dp=2), dict(tp=3, dp=2)])
+@pytest.mark.parametrize("layout", [dict(tp=0), dict(decode_tp=0), dict(tp=2, decode_tp=3, dp=2), dict(tp=3, dp=2)])
 def test_a_layout_sglang_cannot_start_is_refused_naming_the_role(layout):
     with pytest.raises(SandboxError, match="TP size .* must be a positive multiple of the DP size"):
         ClusterParams(base="0.5.23", **layout).validate()
+
+
+@pytest.mark.parametrize("dp", [0, -1])
+def test_a_dp_size_below_one_is_refused_not_divided_by(dp):
+    with pytest.raises(SandboxError, match=f"DP size must be at least 1, not {dp}"):
+        ClusterParams(base="0.5.23", tp=2, dp=dp).validate()

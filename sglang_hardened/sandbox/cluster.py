@@ -75,7 +75,7 @@ class ClusterParams:
     dp: int = 1  # data-parallel attention groups on both roles (--enable-dp-attention), inside the TP ranks
 
     def role_tp(self, role: str) -> int:
-        return self.decode_tp if role == "decode" and self.decode_tp else self.tp
+        return self.decode_tp if role == "decode" and self.decode_tp is not None else self.tp
 
     def validate(self) -> None:
         if self.base not in CUDA_GRAPHS_OFF:
@@ -86,6 +86,8 @@ class ClusterParams:
             raise SandboxError(f"unknown backend {self.backend!r}: choose {', '.join(BACKENDS)}")
         if self.lb not in LBS:
             raise SandboxError(f"unknown lb {self.lb!r}: choose {', '.join(LBS)}")
+        if self.dp < 1:
+            raise SandboxError(f"the DP size must be at least 1, not {self.dp}")
         for role in ("prefill", "decode"):
             if self.role_tp(role) < 1 or self.role_tp(role) % self.dp:
                 raise SandboxError(f"{role}'s TP size {self.role_tp(role)} must be a positive multiple of the "
