@@ -142,11 +142,13 @@ def release_parked(scheduler: object | None = None, clock: Callable[[], float] =
         return
     now = clock()
     entries = list(_parked.items())
-    keep_here = [_in_flight(sender) > 0 and _within_hold(since, now) for _, (_, sender, since, _) in entries]
-    for (key, (_, sender, since, release)), keep in zip(entries, any_rank(keep_here, scheduler_groups(scheduler))):
+    sending = [_in_flight(sender) > 0 for _, (_, sender, _, _) in entries]  # read once: what this rank decided on
+    keep_here = [busy and _within_hold(since, now) for busy, (_, (_, _, since, _)) in zip(sending, entries)]
+    for (key, (_, sender, since, release)), busy, keep in zip(entries, sending,
+                                                             any_rank(keep_here, scheduler_groups(scheduler))):
         if keep:
             continue
-        if _in_flight(sender) <= 0:
+        if not busy:
             metrics.hold_ended("prefill", "writes_done", now - since)
             log.info("sglang-hardened H5: room %s: the transfer stopped reading; its aborted request's prefill KV "
                      "pages go back", sender.bootstrap_room)
