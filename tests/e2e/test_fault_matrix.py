@@ -75,6 +75,11 @@ class Build:
         return "hardened" if self.hardened else "upstream"
 
     @property
+    def sliced(self) -> bool:
+        """The roles run unequal TP sizes: SGLang moves KV by head slices (MHA), with no page tags."""
+        return self.tp != self.decode_tp
+
+    @property
     def ranks(self) -> str:
         return "" if self.tp == self.decode_tp == 1 else f"tp{self.tp}x{self.decode_tp}"
 

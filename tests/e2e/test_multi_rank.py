@@ -42,7 +42,7 @@ RANK_BUILDS = [Build(base, backend, hardened, tp=tp, decode_tp=dtp)
                for base in ("0.5.19", "0.5.23") for backend in ("mooncake", "nixl") for tp, dtp in RANKS
                for hardened in (False, True)
                if (FULL_MATRIX or (base, backend, tp, dtp) in CI_RANKS) and (backend == "mooncake" or tp == dtp)]
-EQUAL = [b for b in RANK_BUILDS if b.tp == b.decode_tp]
+EQUAL = [b for b in RANK_BUILDS if not b.sliced]
 H8_REFUSED = "sglang-hardened H8"
 UNEQUAL_TP = "prefill runs attention TP"
 FAULT_PROBE = prompt_of(17)  # over the faults' 16-page floor; one page moves the tiny model's output
@@ -61,7 +61,7 @@ def fc(request, tmp_path_factory):
     overridden on hardened builds, whose other checks are under test) with the fault
     instruments, of the test's build; stopped before the next build's starts."""
     build: Build = request.param
-    refuses_all = build.hardened and build.tp != build.decode_tp  # ready once healthy: it serves no request
+    refuses_all = build.hardened and build.sliced  # ready once healthy: it serves no request
     fault_cluster = start_fault_cluster(build, tmp_path_factory.mktemp("instruments"),
                                         {**LEAK_PARAMS, "probe_transfer": not refuses_all},
                                         DEPTH["extra_env"] if build.hardened else ())
@@ -69,25 +69,19 @@ def fc(request, tmp_path_factory):
     fault_cluster.cluster.stop()
 
 
-def sliced(fc: FaultCluster) -> bool:
-    """This pair moves KV by head slices (unequal TP sizes, an MHA model): no page tags."""
-    return fc.build.tp != fc.build.decode_tp
-
-
 @pytest.mark.parametrize("build", TRUNC_BUILDS, ids=lambda b: b.id)
 def test_truncation_with_unequal_limits_across_ranks(start_cluster, build):
     """Prefill truncates the prompt to its limit and decode keeps it whole: hardened refuses it
     on every rank with nothing decoded (H3, or between unequal TP sizes H8's refusal of the
     untagged head slices), and serves the control where the sizes match."""
-    untagged = build.tp != build.decode_tp
     cluster = start_cluster(sandbox_env(build.base, hardened=True), backend=build.backend, **TRUNC_PARAMS,
-                            tp=build.tp, decode_tp=build.decode_tp, probe_transfer=not untagged, **DEPTH)
+                            tp=build.tp, decode_tp=build.decode_tp, probe_transfer=not build.sliced, **DEPTH)
     idle = cluster.used_tokens()
     with phase(f"scenario truncation {build.id}"):
         v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "control": FITTING_C})
     apart, control = v["pages_apart"], v["control"]
     assert shows_nothing_decoded(apart), apart.replies
-    if untagged:
+    if build.sliced:
         assert all(r.status == 500 and UNEQUAL_TP in r.body for r in replies(control)), control.replies
     else:
         assert all(r.status == 200 for r in replies(control)) and not control.leaked, control.replies
@@ -107,7 +101,7 @@ def test_the_incident_across_ranks(fc):
     if not fc.hardened:
         assert all(r.status == 200 for r in replies(b)) and b.leaked, b.replies
         assert all(r.status == 200 for r in replies(control)) and not control.leaked, control.replies
-    elif sliced(fc):
+    elif fc.build.sliced:
         assert shows_nothing_decoded(b) and shows_nothing_decoded(control), (b.replies, control.replies)
         assert all(UNEQUAL_TP in r.body for r in replies(control)), control.replies
     else:
@@ -201,7 +195,7 @@ def test_one_rank_killed_mid_transfer(fc):
 def test_next_requests_read_only_their_own_pages(fc):
     """The differential oracle after every fault above (and a restarted server)."""
     verdict = observe_probes(fc.cluster, {"control": FITTING_C})["control"]
-    if fc.hardened and sliced(fc):
+    if fc.hardened and fc.build.sliced:
         assert all(r.status == 500 and UNEQUAL_TP in r.body for r in replies(verdict)), verdict.replies
     else:
         assert all(r.status == 200 for r in replies(verdict)) and not verdict.leaked, verdict.replies
