@@ -20,6 +20,7 @@ from sglang_hardened.model.configs import (
     NAMED,
     SCENARIOS,
     WIDE_SCENARIOS,
+    Agreement,
     Config,
     Switch,
     parse_config,
@@ -29,7 +30,9 @@ from sglang_hardened.model.state import Scenario
 HARDENED = [n for n in NAMED if n.startswith("hardened-")]
 
 #: What each upstream release leaves open, in the model's terms. Every release also leaves
-#: a request whose metadata row never lands held for ever (requests-end: no H13).
+#: a request whose metadata row never lands held for ever (requests-end: no H13), and reads
+#: a page whose write was reported done but never landed (overwritten-read: no H8).
+_LEAKS = {"foreign-read", "overwritten-read", "reuse-under-write", "prompt-failure", "requests-end"}
 UPSTREAM_OPEN = {
     # the incident itself, plus reuse of pages under a live write
     "upstream-0.5.19": {
@@ -48,24 +51,26 @@ UPSTREAM_OPEN = {
         "prompt-failure",
         "requests-end",
     },
-    # deferred release on: no overwritten reads, but the 30 s timeout still
-    # frees pages under an unbounded batch; truncation still reads stale pages
-    "upstream-0.5.21": {"foreign-read", "reuse-under-write", "prompt-failure", "requests-end"},
-    "upstream-0.5.22": {"foreign-read", "reuse-under-write", "prompt-failure", "requests-end"},
-    "upstream-0.5.23": {"foreign-read", "reuse-under-write", "prompt-failure", "requests-end"},
+    # deferred release on, but the 30 s timeout still frees pages under an unbounded batch;
+    # truncation still reads stale pages; with two ranks each decode rank frees a hold on
+    # its own ack or deadline, and the ranks part ways (the hold then never resolves)
+    "upstream-0.5.21": _LEAKS | {"ranks-diverge", "aborts-resolve"},
+    "upstream-0.5.22": _LEAKS | {"ranks-diverge", "aborts-resolve"},
+    # 0.5.23 all-reduces its deferred releases
+    "upstream-0.5.23": _LEAKS,
 }
 
 
 @cache
 def _explored(
-    switches: frozenset[Switch], scenarios: tuple[Scenario, ...]
+    switches: frozenset[Switch], agreed: frozenset[Agreement], scenarios: tuple[Scenario, ...]
 ) -> CheckResult:
-    return uncached_check(Config("any", switches, "", False), scenarios)
+    return uncached_check(Config("any", switches, "", False, agreed), scenarios)
 
 
 def check(config: Config, scenarios: tuple[Scenario, ...] = SCENARIOS) -> CheckResult:
-    """Each set of switches is explored once for the whole module, CLI included."""
-    res = _explored(config.switches, scenarios)
+    """Each configuration is explored once for the whole module, CLI included."""
+    res = _explored(config.switches, config.agreed, scenarios)
     return CheckResult(config, res.results, res.seconds)
 
 
@@ -107,18 +112,21 @@ def test_requests_end_and_aborts_resolve_but_for_metadata_that_never_lands(
     results: dict[str, CheckResult], name: str
 ) -> None:
     """Everywhere, but upstream's metadata gate holds a Success whose row never lands for
-    ever (#31800's slot leak): that is upstream's one request that does not end."""
+    ever (#31800's slot leak): that is upstream's one request that does not end, bar
+    servers whose ranks have parted ways."""
     res = results[name]
-    assert "aborts-resolve" not in res.kinds
-    stuck = [f for f in res.findings if f.kind == "requests-end"]
+    stuck = [f for f in res.findings if f.kind in ("requests-end", "aborts-resolve")]
     if name in HARDENED:
         assert not stuck
     else:
-        assert stuck and all(any(e.action == "metadata_lost" for e, _ in f.trace) for f in stuck)
+        assert any(f.kind == "requests-end" for f in stuck)
+        for f in stuck:
+            last = f.trace[-1][1]
+            assert last.diverged or any(e.action == "metadata_lost" for e, _ in f.trace)
 
 
 def test_hardened_is_clean_with_three_tenants_on_four_pages() -> None:
-    (three,) = [sc for sc in WIDE_SCENARIOS if sc not in SCENARIOS]
+    (three,) = [sc for sc in WIDE_SCENARIOS if sc.name == "three-tenants"]
     assert len(three.requests) == 3
     res = check_scenario(three, NAMED["hardened-0.5.23"])
     assert res.findings == [] and res.states > 100_000

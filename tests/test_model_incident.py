@@ -37,8 +37,8 @@ def test_incident_is_found_and_reported_first(upstream_19: CheckResult) -> None:
     assert incident.scenario.requests[r].kind is Kind.OVER
     q = last_state.reqs[r]
     assert q.d == D_RUN
-    foreign = [p for p in q.alloc if last_state.pages[p] != r]
-    assert foreign and all(last_state.pages[p] == PRIOR for p in foreign)
+    foreign = [p for p in q.alloc if last_state.pages[0][p] != r]
+    assert foreign and all(last_state.pages[0][p] == PRIOR for p in foreign)
     assert len(foreign) == len(q.alloc) - incident.scenario.requests[r].sent_pages
 
 

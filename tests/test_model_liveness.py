@@ -31,7 +31,7 @@ def _broken(dropped: set[str], config: str) -> CheckResult:
 
 def test_without_h4_decode_waits_out_its_timeout() -> None:
     res = check(parse_config("H1,H2,H3,H5,H6,H8,H13"))
-    (stuck,) = [f for f in res.findings if f.kind == "prompt-failure"]
+    stuck = next(f for f in res.findings if f.kind == "prompt-failure")
     assert "decode_waiting_timeout" in stuck.message
     _, last = stuck.trace[-1]
     waiting = [q for q in last.reqs if q.d == D_WAIT]

@@ -22,7 +22,7 @@ from sglang_hardened.model.state import (
     initial_state,
 )
 
-OVER_POOL, TRUNCATION, ABORT_REUSE = SCENARIOS
+OVER_POOL, TRUNCATION, ABORT_REUSE, OVER_POOL_TP2 = SCENARIOS
 
 
 def _step(m: Machine, s: State, action: str, r: int = -1) -> State:
@@ -36,7 +36,7 @@ def test_independent_steps_commute_to_one_canonical_state() -> None:
     a = _step(m, _step(m, s0, "prefill_admit", 0), "decode_admit", 1)
     b = _step(m, _step(m, s0, "decode_admit", 1), "prefill_admit", 0)
     assert a == b and hash(a) == hash(b)
-    assert s0.pages == (PRIOR,) * 4 and s0.free == (0, 1, 2, 3)
+    assert s0.pages == ((PRIOR,) * 4,) and s0.free == (0, 1, 2, 3)
 
 
 def test_free_list_is_fifo() -> None:
@@ -64,7 +64,7 @@ def _held_with_batch_in_flight(switches: frozenset[Switch]) -> tuple[Machine, St
     ):
         s = _step(m, s, action, 0)
     s = _step(m, s, "decode_waiting_timeout", 0)
-    assert s.reqs[0].d == D_HELD and s.batch == Batch(0, 0, False)
+    assert s.reqs[0].d == D_HELD and s.lanes == (Batch(0, 0, False),)
     return m, s
 
 
@@ -108,7 +108,7 @@ def _truncated_transfer_done(switches: frozenset[Switch]) -> tuple[Machine, Stat
     for _ in range(2):
         for action in ("batch_start", "batch_land", "batch_return"):
             s = _step(m, s, action, 1)
-    assert s.reqs[1].status == ST_SUCCESS and s.pages == (1, 1, PRIOR, PRIOR)
+    assert s.reqs[1].status == ST_SUCCESS and s.pages == ((1, 1, PRIOR, PRIOR),)
     return m, s
 
 
@@ -135,8 +135,8 @@ def test_decode_crash_keeps_page_contents_and_later_arrivals() -> None:
     s = _bootstrapped(m, initial_state(ABORT_REUSE), 0)
     s = _step(m, _step(m, s, "batch_start", 0), "batch_land", 0)
     crashed = _step(m, s, "decode_crash")
-    assert crashed.free == (0, 1, 2, 3) and crashed.pages[0] == 0
-    assert crashed.batch is None and crashed.crashed
+    assert crashed.free == (0, 1, 2, 3) and crashed.pages[0][0] == 0
+    assert crashed.lanes == (None,) and crashed.crashed
     assert (crashed.reqs[0].d, crashed.reqs[0].p) == ("lost", "failed")
     assert crashed.reqs[1] == s.reqs[1]  # r1 reaches the restarted decode later
 

@@ -20,7 +20,7 @@ class _AckBeforeDrain(Machine):
     def successors(self, s: State) -> Iterator[Step]:
         yield from super().successors(s)
         for r, q in enumerate(s.reqs):
-            if q.d == D_HELD and s.batch is not None and s.batch.req == r:
+            if q.d == D_HELD and s.busy(r):
                 yield Step(Event("abort_ack", r), self._release(s, r), NORMAL)
 
 
@@ -40,7 +40,7 @@ class _CrashKeepsWriting(Machine):
     """The batch into a crashed decode keeps going into the new process."""
 
     def _decode_crash(self, s: State) -> State:
-        return super()._decode_crash(s)._replace(batch=s.batch)
+        return super()._decode_crash(s)._replace(lanes=s.lanes)
 
 
 class _TagsStampedByDecode(Machine):
@@ -49,12 +49,11 @@ class _TagsStampedByDecode(Machine):
     data it vouches for)."""
 
     def _commit(self, s: State, r: int) -> State:
-        stamped = list(s.pages)
-        for page in s.reqs[r].alloc:
-            stamped[page] = r
-        return (
-            super()._commit(s._replace(pages=tuple(stamped)), r)._replace(pages=s.pages)
+        mine = set(s.reqs[r].alloc)
+        stamped = tuple(
+            tuple(r if p in mine else w for p, w in enumerate(pages)) for pages in s.pages
         )
+        return super()._commit(s._replace(pages=stamped), r)._replace(pages=s.pages)
 
 
 MUTANTS = [

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from sglang_hardened.model import necessity
 from sglang_hardened.model.checker import check
 from sglang_hardened.model.cli import model
-from sglang_hardened.model.configs import ALL, COVERED_BY, Switch
-from sglang_hardened.model.necessity import ItemVerdict, verdict
+from sglang_hardened.model.configs import ALL, COVERED_BY, Agreement, Switch
+from sglang_hardened.model.necessity import ItemVerdict, agreement_verdict, kinds_at, verdict
 
 #: What turning each uncovered item off alone breaks, and why it must.
 NEEDED = {
@@ -21,6 +21,7 @@ NEEDED = {
         "overwritten-read",
     },  # pages freed under a live write
     Switch.H6: {"reuse-under-write"},  # the 30 s release outlives an unbounded batch
+    Switch.H8: {"overwritten-read"},  # a write reported done that never landed is read
     Switch.H13: {"requests-end", "prompt-failure"},  # the gate holds a Success whose row never lands
 }
 
@@ -72,8 +73,7 @@ def test_covers_break_the_property_they_stand_for(
     expected = {
         Switch.H1: ["over-pool-success"],
         Switch.H2: ["over-pool-success"],
-        Switch.H3: ["foreign-read"],
-        Switch.H8: ["foreign-read"],
+        Switch.H3: ["foreign-read", "overwritten-read"],
     }
     for item, kinds in expected.items():
         both = verdicts[item].with_cover
@@ -86,10 +86,19 @@ def test_a_false_cover_claim_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not verdict(Switch.H5).holds
 
 
+@pytest.mark.parametrize("agreement", list(Agreement))
+def test_agreements_are_what_a_second_rank_makes_necessary(agreement: Agreement) -> None:
+    v = agreement_verdict(agreement)
+    assert v.holds
+    assert not kinds_at(v.alone, 1)
+    assert kinds_at(v.alone, 2)[0] == "ranks-diverge"
+
+
 def test_cli_necessity() -> None:
     out = CliRunner().invoke(model, ["necessity"])
     assert out.exit_code == 0, out.output
-    lines = out.output.splitlines()[1:]
-    assert [ln.split(":")[0] for ln in lines] == [s.value for s in sorted(ALL)]
-    assert "H4: off alone -> prompt-failure: necessary" in lines
+    rows = [ln.split() for ln in out.output.splitlines()[3:]]
+    names = [s.value for s in sorted(ALL)] + [a.value for a in Agreement]
+    assert [row[0] for row in rows[: len(names)]] == names
+    assert ["H4", "prompt-failure", "prompt-failure", "necessary"] in rows
     assert "CLAIM FAILS" not in out.output

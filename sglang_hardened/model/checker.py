@@ -263,7 +263,7 @@ def explore(machine: Machine) -> ScenarioResult:
 
 def check_scenario(scenario: Scenario, config: Config) -> ScenarioResult:
     """Check one scenario under one configuration."""
-    return explore(Machine(scenario, config.switches))
+    return explore(Machine(scenario, config.switches, config.agreed))
 
 
 def check(config: Config, scenarios: tuple[Scenario, ...] = SCENARIOS) -> CheckResult:

@@ -9,15 +9,18 @@ from __future__ import annotations
 import click
 
 from .checker import CheckResult, check
-from .configs import NAMED, SCENARIOS, WIDE_SCENARIOS, parse_config
-from .necessity import necessity
+from ..common.table import format_table as format_rows
+from .configs import NAMED, SCENARIOS, WIDE_SCENARIOS, Agreement, parse_config
+from .necessity import kinds_at, necessity
 from .report import format_finding, format_table
 
 
 def _bounds_line(wide: bool) -> str:
     scenarios = WIDE_SCENARIOS if wide else SCENARIOS
     parts = [
-        f"{sc.name} ({len(sc.requests)} requests, {sc.pool_pages} pages, {sc.faults} faults)"
+        f"{sc.name} ({len(sc.requests)} requests, {sc.pool_pages} pages, "
+        + f"{sc.faults} fault{'s' if sc.faults != 1 else ''}"
+        + (f", {sc.ranks} ranks per role)" if sc.ranks > 1 else ")")
         for sc in scenarios
     ]
     return "bounds: " + "; ".join(parts)
@@ -53,7 +56,7 @@ def model() -> None:
     "--list", "list_only", is_flag=True, help="List the named configurations."
 )
 @click.option(
-    "--wide", is_flag=True, help="Add the three-tenant scenario (about 10x slower)."
+    "--wide", is_flag=True, help="Add the wide scenarios (about 10x slower)."
 )
 def check_cmd(
     names: tuple[str, ...], check_all: bool, list_only: bool, wide: bool
@@ -105,33 +108,42 @@ def check_cmd(
 
 @model.command("necessity")
 @click.option(
-    "--wide", is_flag=True, help="Add the three-tenant scenario (about 10x slower)."
+    "--wide", is_flag=True, help="Add the wide scenarios (about 10x slower)."
 )
 def necessity_cmd(wide: bool) -> None:
-    """Show, per item, what turning it off does to the hardened model.
+    """Show, per item, what turning it off does to the hardened model,
+    with one rank per role and with two.
 
     An item is necessary when turning it off alone breaks a property; an
     item covered by another must leave the model clean when off alone and
-    break it when off together with its cover. Exits 1 if any claim fails.
+    break it when off together with its cover. The last rows are the
+    decisions decode's ranks must share (release, tag verdict): no-ops with
+    one rank, necessary with two. Exits 1 if any claim fails.
 
     \b
     Example:
       sglang-hardened model necessity
     """
     click.echo(_bounds_line(wide))
-    ok = True
-    for v in necessity(WIDE_SCENARIOS if wide else SCENARIOS):
-        alone = "clean" if v.alone.clean else ", ".join(v.alone.kinds)
-        if v.with_cover is None:
-            line = f"{v.item.value}: off alone -> {alone}: necessary"
+    verdicts = necessity(WIDE_SCENARIOS if wide else SCENARIOS)
+    rows, notes = [], []
+    for v in verdicts:
+        if isinstance(v.item, Agreement):
+            name, claim = f"{v.item.value} agreement", "necessary with two ranks"
+        elif v.with_cover is None:
+            name, claim = v.item.value, "necessary"
         else:
             cover = ",".join(sorted(v.cover))
-            both = "clean" if v.with_cover.clean else ", ".join(v.with_cover.kinds)
-            line = (
-                f"{v.item.value}: off alone -> {alone}; covered by {cover} "
-                f"(off with it -> {both}): {v.reason}"
-            )
-        ok &= v.holds
-        click.echo(line + ("" if v.holds else "  [CLAIM FAILS]"))
-    if not ok:
+            name, claim = v.item.value, f"covered by {cover} (off with it: {_kinds(v.with_cover.kinds)})"
+            notes.append(f"{v.item.value}: {v.reason}")
+        if not v.holds:
+            claim += "  [CLAIM FAILS]"
+        rows.append((name, _kinds(kinds_at(v.alone, 1)), _kinds(kinds_at(v.alone, 2)), claim))
+    click.echo(format_rows(("off alone", "one rank", "two ranks", "verdict"), rows))
+    click.echo("\n".join(notes))
+    if not all(v.holds for v in verdicts):
         raise SystemExit(1)
+
+
+def _kinds(kinds: list[str]) -> str:
+    return ", ".join(kinds) or "clean"

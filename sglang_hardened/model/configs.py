@@ -44,6 +44,17 @@ class Switch(StrEnum):
 
 ALL = frozenset(Switch)
 
+
+class Agreement(StrEnum):
+    """A decision decode's ranks take from their own state and must share before acting,
+    once a role runs more than one rank (no effect with one)."""
+
+    RELEASE = "release"  # a deferred release frees on every rank or none: upstream 0.5.23's all-reduce, H5's backport before it
+    VERDICT = "verdict"  # H8's tag verdict OR-ed over the ranks (runtime/rank_agreement.py)
+
+
+AGREED = frozenset(Agreement)
+
 #: What upstream itself does, per release, in the model's terms.
 #: 0.5.20 retires an aborted prefill after its forward (H2 for intake
 #: errors) but decode is not told; 0.5.21 adds admission rejection and
@@ -58,6 +69,14 @@ UPSTREAM: dict[str, frozenset[Switch]] = {
     "0.5.23": frozenset({Switch.H1, Switch.H2, Switch.H5}),
 }
 
+#: What each release's decode ranks already agree on. Only 0.5.23 all-reduces its deferred
+#: releases ("releasing only on some ranks would diverge admission"); before it, each rank
+#: frees on its own ack or deadline. Upstream has no tag verdict to share.
+UPSTREAM_AGREED: dict[str, frozenset[Agreement]] = {
+    base: frozenset({Agreement.RELEASE}) if base == "0.5.23" else frozenset()
+    for base in UPSTREAM
+}
+
 
 @dataclass(frozen=True)
 class Config:
@@ -67,6 +86,7 @@ class Config:
     switches: frozenset[Switch]
     summary: str
     expect_clean: bool
+    agreed: frozenset[Agreement] = AGREED
 
 
 def _named() -> dict[str, Config]:
@@ -78,6 +98,7 @@ def _named() -> dict[str, Config]:
             upstream,
             f"upstream {base} as released (items: {on})",
             False,
+            UPSTREAM_AGREED[base],
         )
     for base, upstream in UPSTREAM.items():
         added = ", ".join(sorted(ALL - upstream))
@@ -134,19 +155,14 @@ COVERED_BY: dict[Switch, tuple[frozenset[Switch], str]] = {
         "a page the transfer did not write keeps a foreign tag, so the tag "
         "check fails the request before its first decode step",
     ),
-    Switch.H8: (
-        frozenset({Switch.H3}),
-        "in this model every foreign page decode could read is an unwritten "
-        "one, which the coverage check already refuses",
-    ),
 }
 
 #: The bounds. Pool of 4 pages, FIFO free list, every page warm with an
 #: earlier tenant's KV; 2 requests per scenario, each its own tenant; one
-#: page per chunk; one transfer lane; at most 2 faults (client disconnect,
-#: transport failure, a metadata row lost after Success, crash of either
-#: node) per run. Timeouts fire
-#: whenever their guard allows.
+#: page per chunk; one transfer lane per rank; at most 2 faults (client
+#: disconnect, transport failure, a write reported done that never landed,
+#: a metadata row lost after Success, crash of either node) per run, 1 with
+#: two ranks per role. Timeouts fire whenever their guard allows.
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "over-pool",
@@ -166,11 +182,25 @@ SCENARIOS: tuple[Scenario, ...] = (
         pool_pages=4,
         faults=2,
     ),
+    Scenario(
+        "over-pool-tp2",
+        (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.OVER, 3, 1)),
+        pool_pages=4,
+        faults=1,
+        ranks=2,
+    ),
 )
 
 #: Wider bounds, about ten times the work: three tenants contend for the
-#: same 4 pages, with at most 1 fault per run.
+#: same 4 pages, with at most 1 fault per run; truncation with two ranks.
 WIDE_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + (
+    Scenario(
+        "truncation-tp2",
+        (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.TRUNC, 3, 2)),
+        pool_pages=4,
+        faults=1,
+        ranks=2,
+    ),
     Scenario(
         "three-tenants",
         (

@@ -1,6 +1,11 @@
 """The transition relation: every step prefill, decode, the transfer lane,
 the client and the clock can take from a state.
 
+With more than one rank per role (``Scenario.ranks``) each rank has its own
+transfer lane and its own shard of every page; what upstream all-reduces
+(transfer polls) is one shared value, and what a rank decides from its own
+state (a drain ack, a tag check) is where the ranks can disagree.
+
 Each action is one atomic step of upstream code (docs/model.md maps them).
 Each step says what kind of edge it is, because liveness treats them
 differently: a FAULT (client disconnect, transport failure, crash) may
@@ -14,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from .configs import Switch
+from .configs import AGREED, Agreement, Switch
 from .state import (
     D_DONE,
     D_FAILED,
@@ -56,6 +61,7 @@ ACTIONS = (
     "batch_land",
     "batch_return",
     "batch_fail",
+    "batch_skip",
     "metadata_lost",
     "decode_admit",
     "decode_alloc",
@@ -75,10 +81,12 @@ ACTIONS = (
 
 
 class Event(NamedTuple):
-    """An action and the request it acts on (-1 for node-wide actions)."""
+    """An action, the request it acts on (-1 for node-wide actions) and the
+    rank whose lane or whose decision it is (0 with one rank)."""
 
     action: str
     req: int = -1
+    rank: int = 0
 
 
 # Kinds of edge, for liveness: a fault is never relied on for progress; a
@@ -94,17 +102,28 @@ class Step(NamedTuple):
     kind: int  # NORMAL, LONG or FAULT
 
 
+def _put(t: tuple, i: int, v: object) -> tuple:
+    """``t`` with item ``i`` replaced by ``v``."""
+    return t[:i] + (v,) + t[i + 1 :]
+
+
 def _with(s: State, r: int, req: Req) -> State:
-    reqs = s.reqs
-    return s._replace(reqs=reqs[:r] + (req,) + reqs[r + 1 :])
+    return s._replace(reqs=_put(s.reqs, r, req))
 
 
 class Machine:
     """The protocol for one scenario under one set of switches."""
 
-    def __init__(self, scenario: Scenario, switches: frozenset[Switch]) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        switches: frozenset[Switch],
+        agreed: frozenset[Agreement] = AGREED,
+    ) -> None:
         self.scenario = scenario
         self.specs = scenario.requests
+        self.release_agreed = Agreement.RELEASE in agreed
+        self.verdict_agreed = Agreement.VERDICT in agreed
         self.h1 = Switch.H1 in switches
         self.h2 = Switch.H2 in switches
         self.h3 = Switch.H3 in switches
@@ -151,12 +170,15 @@ class Machine:
     # -- the relation ---------------------------------------------------
 
     def successors(self, s: State) -> Iterator[Step]:
-        """Every step enabled in ``s``."""
+        """Every step enabled in ``s`` (none once the ranks have diverged)."""
+        if s.diverged:
+            return
         for r in range(len(s.reqs)):
             yield from self._prefill_steps(s, r)
             yield from self._decode_steps(s, r)
-        if s.batch is not None:
-            yield from self._batch_steps(s, s.batch)
+        for k, b in enumerate(s.lanes):
+            if b is not None:
+                yield from self._batch_steps(s, k, b)
         if s.faults:
             yield from self._fault_steps(s)
 
@@ -166,7 +188,7 @@ class Machine:
         if q.p in P_DONE:
             return
         if q.p_abort:
-            if s.batch is None or s.batch.req != r:
+            if not s.busy(r):
                 yield Step(Event("prefill_abort", r), self._prefill_fails(s, r), NORMAL)
             return
         if q.p == P_NEW:
@@ -201,44 +223,59 @@ class Machine:
                     self._prefill_fails(s, r),
                     LONG,
                 )
-        elif q.p == P_XFER and s.batch is None and q.sent < spec.sent_pages:
-            yield Step(
-                Event("batch_start", r),
-                s._replace(batch=Batch(r, q.sent, False)),
-                NORMAL,
-            )
+        elif q.p == P_XFER:
+            for k, b in enumerate(s.lanes):
+                if b is None and q.sent[k] < spec.sent_pages:
+                    yield Step(
+                        Event("batch_start", r, k),
+                        s._replace(lanes=_put(s.lanes, k, Batch(r, q.sent[k], False))),
+                        NORMAL,
+                    )
 
-    def _batch_steps(self, s: State, b: Batch) -> Iterator[Step]:
+    def _batch_steps(self, s: State, k: int, b: Batch) -> Iterator[Step]:
         r = b.req
         q = s.reqs[r]
         if not b.landed:
             page = q.dst[b.chunk]
-            pages = s.pages[:page] + (r,) + s.pages[page + 1 :]
+            pages = _put(s.pages, k, _put(s.pages[k], page, r))
+            landed = _put(s.lanes, k, b._replace(landed=True))
             yield Step(
-                Event("batch_land", r),
-                s._replace(pages=pages, batch=b._replace(landed=True)),
+                Event("batch_land", r, k),
+                s._replace(pages=pages, lanes=landed),
                 NORMAL,
             )
+            if s.faults:
+                # reported written, never landed where decode reads it (a dropped page, a
+                # wrong index): the class of transfer bug H8's tags exist for
+                yield Step(
+                    Event("batch_skip", r, k),
+                    s._replace(lanes=landed, faults=s.faults - 1),
+                    FAULT,
+                )
         else:
-            returned = self._batch_returned(s, r)
-            yield Step(Event("batch_return", r), returned, NORMAL)
+            returned = self._batch_returned(s, k, r)
+            yield Step(Event("batch_return", r, k), returned, NORMAL)
             if s.faults and returned.reqs[r].status == ST_SUCCESS:
                 # the last chunk's Success reaches decode, its metadata row never does
                 lost = _with(returned, r, returned.reqs[r]._replace(status=ST_NO_METADATA))
-                yield Step(Event("metadata_lost", r), lost._replace(faults=s.faults - 1), FAULT)
+                yield Step(Event("metadata_lost", r, k), lost._replace(faults=s.faults - 1), FAULT)
         if s.faults:
-            failed = s._replace(batch=None, faults=s.faults - 1)
-            q = q._replace(p=P_FAILED, p_abort=False)
-            if q.d not in D_DONE and q.status == ST_NONE:
-                q = q._replace(status=ST_FAILED)  # transport errors reach decode
-            yield Step(Event("batch_fail", r), _with(failed, r, q), FAULT)
+            failed = s._replace(lanes=_put(s.lanes, k, None), faults=s.faults - 1)
+            if q.p == P_XFER:  # the first rank to fail fails the room (prefill's poll is MIN)
+                q = q._replace(p=P_FAILED, p_abort=False)
+                if q.d not in D_DONE and q.status == ST_NONE:
+                    q = q._replace(status=ST_FAILED)  # transport errors reach decode
+            yield Step(Event("batch_fail", r, k), _with(failed, r, q), FAULT)
 
-    def _batch_returned(self, s: State, r: int) -> State:
-        """batch_transfer_sync returned ok; after the last chunk prefill
-        polls KVPoll.Success and answers 200, unless H2 sees an abort."""
-        q = s.reqs[r]._replace(sent=s.reqs[r].sent + 1)
-        s = _with(s._replace(batch=None), r, q)
-        if q.sent < self.specs[r].sent_pages:
+    def _batch_returned(self, s: State, k: int, r: int) -> State:
+        """batch_transfer_sync returned ok on rank ``k``; once every rank's
+        last chunk has, prefill polls KVPoll.Success (all-reduced) and answers
+        200, unless H2 sees an abort. A lane still writing for a room another
+        rank already failed just finishes."""
+        q0 = s.reqs[r]
+        q = q0._replace(sent=_put(q0.sent, k, q0.sent[k] + 1))
+        s = _with(s._replace(lanes=_put(s.lanes, k, None)), r, q)
+        if q.p != P_XFER or any(n < self.specs[r].sent_pages for n in q.sent):
             return s
         if self.h2 and (q.tofinish or q.p_abort):
             return self._prefill_fails(s, r)
@@ -252,14 +289,7 @@ class Machine:
         if q.d in D_DONE:
             return
         if q.d == D_HELD:
-            if (
-                q.p in P_DONE
-                and q.p != P_LOST
-                and (s.batch is None or s.batch.req != r)
-            ):
-                yield Step(Event("abort_ack", r), self._release(s, r), NORMAL)
-            if not self.h6 or s.batch is None or s.batch.req != r:
-                yield Step(Event("release_timeout", r), self._release(s, r), NORMAL)
+            yield from self._hold_steps(s, r)
             return
         if q.d_abort:
             if q.d == D_RUN:
@@ -300,14 +330,58 @@ class Machine:
         elif q.d == D_RUN:
             yield Step(Event("decode_finish", r), self._release(s, r, D_OK), NORMAL)
 
+    def _hold_steps(self, s: State, r: int) -> Iterator[Step]:
+        """A deferred release ends on prefill's drain ack or its timeout.
+
+        Each decode rank hears its own prefill rank's ack and reads its own
+        clock; upstream 0.5.23 all-reduces "may release" so that every rank
+        frees together (Agreement.RELEASE). Without that, one rank freeing
+        alone is a divergence, whatever the others do next.
+        """
+        q = s.reqs[r]
+        drained = [
+            q.p in P_DONE and q.p != P_LOST and (b is None or b.req != r)
+            for b in s.lanes
+        ]
+        may_time_out = [not self.h6 or b is None or b.req != r for b in s.lanes]
+        if all(drained):
+            yield Step(Event("abort_ack", r), self._release(s, r), NORMAL)
+        if all(may_time_out):
+            yield Step(Event("release_timeout", r), self._release(s, r), NORMAL)
+        if self.release_agreed or len(s.lanes) == 1:
+            return
+        for action, ready, why in (
+            ("abort_ack", drained, "on its prefill rank's drain ack"),
+            ("release_timeout", may_time_out, "at its own release deadline"),
+        ):
+            if any(ready):
+                k = ready.index(True)
+                yield Step(
+                    Event(action, r, k),
+                    s._replace(
+                        diverged=f"decode rank {k} frees r{r}'s pages {list(q.alloc)} {why} "
+                        "while the other ranks still hold them: their free lists differ"
+                    ),
+                    NORMAL,
+                )
+
     def _commit(self, s: State, r: int) -> State:
         """_commit_transfer_to_req: upstream checks only bootstrap_room;
-        H3 checks the transfer covered every page, H8 every page's tag."""
+        H3 checks the transfer covered every page, H8 every page's tag on
+        every rank (each rank checks its own shard, then they agree:
+        Agreement.VERDICT)."""
         q = s.reqs[r]
         if self.h3 and self.specs[r].sent_pages != len(q.alloc):
             return self._decode_fails(s, r)
-        if self.h8 and any(s.pages[p] != r for p in q.alloc):
-            return self._decode_fails(s, r)
+        if self.h8:
+            refused = [any(pages[p] != r for p in q.alloc) for pages in s.pages]
+            if all(refused) or (any(refused) and self.verdict_agreed):
+                return self._decode_fails(s, r)
+            if any(refused):
+                return s._replace(
+                    diverged=f"decode rank {refused.index(True)} refuses r{r}'s transfer (a page "
+                    f"without its tag) while rank {refused.index(False)} decodes it"
+                )
         return _with(s, r, q._replace(d=D_RUN))
 
     def _fault_steps(self, s: State) -> Iterator[Step]:
@@ -334,7 +408,7 @@ class Machine:
                 if q.d not in D_DONE and q.status == ST_NONE:
                     q = q._replace(status=ST_FAILED)
             reqs.append(q)
-        return s._replace(reqs=tuple(reqs), batch=None, crashed=True)
+        return s._replace(reqs=tuple(reqs), lanes=(None,) * len(s.lanes), crashed=True)
 
     def _decode_crash(self, s: State) -> State:
         """Decode dies and restarts with a fresh free list, page contents
@@ -350,5 +424,5 @@ class Machine:
             reqs.append(q)
         n = self.scenario.pool_pages
         return s._replace(
-            reqs=tuple(reqs), free=tuple(range(n)), batch=None, crashed=True
+            reqs=tuple(reqs), free=tuple(range(n)), lanes=(None,) * len(s.lanes), crashed=True
         )

@@ -15,6 +15,7 @@ from .state import (
     D_RUN,
     P_FAILED,
     P_OK,
+    P_XFER,
     ST_FAILED,
     Kind,
     Scenario,
@@ -60,7 +61,10 @@ def describe(sc: Scenario, event: Event, before: State, after: State) -> str:
     who = _who(sc, r)
     q0, q = before.reqs[r], after.reqs[r]
     spec = sc.requests[r]
-    b = before.batch
+    b = before.lanes[event.rank]
+    on = f" on rank {event.rank}" if sc.ranks > 1 else ""
+    if after.diverged and not before.diverged:
+        return after.diverged
     if a == "prefill_admit":
         if spec.kind is Kind.OVER:
             return (
@@ -84,21 +88,29 @@ def describe(sc: Scenario, event: Event, before: State, after: State) -> str:
     if a == "prefill_abort":
         return f"prefill aborts {who}{_told_decode(before, after, r)}"
     if a == "batch_start":
-        c = after.batch
+        c = after.lanes[event.rank]
         assert c is not None
         return (
-            f"prefill starts batch_transfer_sync for {who}, chunk {c.chunk + 1}/{spec.sent_pages} "
+            f"prefill{on} starts batch_transfer_sync for {who}, chunk {c.chunk + 1}/{spec.sent_pages} "
             f"-> decode page {q.dst[c.chunk]}"
         )
     if a == "batch_land":
         assert b is not None
         return (
-            f"r{r}'s write of chunk {b.chunk + 1} lands in decode page {q.dst[b.chunk]}"
+            f"r{r}'s write of chunk {b.chunk + 1}{on} lands in decode page {q.dst[b.chunk]}"
+        )
+    if a == "batch_skip":
+        assert b is not None
+        return (
+            f"r{r}'s write of chunk {b.chunk + 1}{on} is reported done but never lands in decode "
+            f"page {q.dst[b.chunk]} (a dropped page or a wrong index)"
         )
     if a == "batch_return":
         assert b is not None
-        text = f"batch_transfer_sync returns ok for r{r} chunk {b.chunk + 1}/{spec.sent_pages}"
-        if q.p == P_OK:
+        text = f"batch_transfer_sync{on} returns ok for r{r} chunk {b.chunk + 1}/{spec.sent_pages}"
+        if q0.p != P_XFER:
+            text += "; the room has already failed, the lane only finishes"
+        elif q.p == P_OK:
             text += "; prefill polls KVPoll.Success and answers 200, decode's receiver sees Success"
         elif q.p == P_FAILED:
             text += (
@@ -108,7 +120,7 @@ def describe(sc: Scenario, event: Event, before: State, after: State) -> str:
         return text
     if a == "batch_fail":
         assert b is not None
-        return f"r{r}'s batch for chunk {b.chunk + 1} fails (transport error); decode's receiver sees Failed"
+        return f"r{r}'s batch for chunk {b.chunk + 1}{on} fails (transport error); decode's receiver sees Failed"
     if a == "metadata_lost":
         return (f"r{r}'s last batch returns and prefill reports Success, but its metadata row never "
                 "reaches decode (an AUX_DATA frame dropped): decode's metadata gate holds it")
@@ -117,7 +129,7 @@ def describe(sc: Scenario, event: Event, before: State, after: State) -> str:
     if a == "decode_admit":
         return f"decode admits {who} into DecodePreallocQueue"
     if a == "decode_alloc":
-        held = ", ".join(f"{p}: {writer_name(sc, before.pages[p])}" for p in q.alloc)
+        held = ", ".join(f"{p}: {writer_name(sc, before.pages[0][p])}" for p in q.alloc)
         return f"decode preallocates pages {list(q.alloc)} for r{r} (they hold KV of {held})"
     if a == "decode_drop":
         return f"decode drops {who}: its prefill failed before any allocation"
@@ -141,9 +153,7 @@ def describe(sc: Scenario, event: Event, before: State, after: State) -> str:
     if a == "abort_ack":
         return f"prefill acks r{r}'s abort once drained; decode frees pages {list(q0.alloc)}"
     if a == "release_timeout":
-        still = (
-            " while its batch is still writing" if b is not None and b.req == r else ""
-        )
+        still = " while its batch is still writing" if before.busy(r) else ""
         return f"the deferred-release timeout (30 s) frees r{r}'s pages {list(q0.alloc)}{still}"
     if a == "client_disconnect":
         return f"the client of {who} disconnects: aborts go to prefill and decode"

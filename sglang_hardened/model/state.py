@@ -76,6 +76,10 @@ class Scenario:
     requests: tuple[RequestSpec, ...]
     pool_pages: int
     faults: int
+    #: Tensor-parallel ranks per role, equal on both sides: prefill rank k writes decode rank
+    #: k's shard of every page over its own transfer lane, and each role's ranks run one
+    #: scheduler in step (same admissions, same page indices) as long as they agree.
+    ranks: int = 1
 
     def tenant(self, r: int) -> str:
         """Tenant letter of request ``r`` (each request its own tenant)."""
@@ -88,19 +92,20 @@ class Req(NamedTuple):
     p: str = P_NEW
     tofinish: bool = False  # intake error parked in req.to_finish (not finished)
     p_abort: bool = False  # an abort for this room is pending at prefill
-    sent: int = 0  # chunks whose synchronous batch returned ok
+    sent: tuple[int, ...] = (0,)  # per prefill rank: chunks whose synchronous batch returned ok
     dst: Pages = ()  # decode's page indices, as prefill received them
     d: str = D_NEW
     d_abort: bool = False  # a client abort is pending at decode
-    status: str = ST_NONE  # what decode's receiver polls
+    status: str = ST_NONE  # what decode's ranks poll, all-reduced (MIN: any Failed fails all)
     alloc: Pages = ()  # pages decode allocated to this request
 
 
 class Batch(NamedTuple):
-    """The one synchronous batch_transfer_sync call in flight.
+    """The synchronous batch_transfer_sync call in flight on one rank's lane.
 
-    ``landed`` is set once its write has reached decode's pages; until the
-    call returns, prefill cannot do anything else on this lane.
+    ``landed`` is set once its write has reached decode's pages (that rank's
+    shard of them); until the call returns, that rank's transfer worker
+    cannot do anything else.
     """
 
     req: int
@@ -109,24 +114,32 @@ class Batch(NamedTuple):
 
 
 class State(NamedTuple):
-    """One global state of prefill, decode and the transfer lane."""
+    """One global state of prefill, decode and the transfer lanes."""
 
     reqs: tuple[Req, ...]
-    pages: tuple[int, ...]  # last completed writer of each decode page
+    pages: tuple[tuple[int, ...], ...]  # per rank: last completed writer of each decode page
     free: Pages  # decode's free list: allocate from the front, free to the back
-    batch: Batch | None
+    lanes: tuple[Batch | None, ...]  # per rank: the batch in flight on its transfer lane
     faults: int  # faults (disconnect, transport error, crash) still allowed
     crashed: bool  # a node crashed in this run (long timeouts become expected)
+    #: What decode's ranks disagreed on, once one acted alone; their next collective never
+    #: matches, so nothing follows (upstream: "releasing only on some ranks would diverge
+    #: admission and the sizes of subsequent polling collectives").
+    diverged: str = ""
+
+    def busy(self, r: int) -> bool:
+        """A batch of request ``r`` is in flight on some rank's lane."""
+        return any(b is not None and b.req == r for b in self.lanes)
 
 
 def initial_state(scenario: Scenario) -> State:
     """A warm pool: every page holds an earlier tenant's KV, none owned."""
-    n = scenario.pool_pages
+    n, ranks = scenario.pool_pages, scenario.ranks
     return State(
-        reqs=tuple(Req() for _ in scenario.requests),
-        pages=(PRIOR,) * n,
+        reqs=tuple(Req(sent=(0,) * ranks) for _ in scenario.requests),
+        pages=((PRIOR,) * n,) * ranks,
         free=tuple(range(n)),
-        batch=None,
+        lanes=(None,) * ranks,
         faults=scenario.faults,
         crashed=False,
     )
