@@ -8,7 +8,7 @@ to either is a change to data here, not to the machine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from .state import Kind, RequestSpec, Scenario
@@ -163,44 +163,42 @@ COVERED_BY: dict[Switch, tuple[frozenset[Switch], str]] = {
 #: disconnect, transport failure, a write reported done that never landed,
 #: a metadata row lost after Success, crash of either node) per run, 1 with
 #: two ranks per role. Timeouts fire whenever their guard allows.
+OVER_POOL = Scenario(
+    "over-pool",
+    (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.OVER, 3, 1)),
+    pool_pages=4,
+    faults=2,
+)
+TRUNCATION = Scenario(
+    "truncation",
+    (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.TRUNC, 3, 2)),
+    pool_pages=4,
+    faults=2,
+)
+
+
+def two_ranks(scenario: Scenario) -> Scenario:
+    """The same workload with two ranks per role and 1 fault (two lanes interleave: with 2
+    faults the over-pool scenario alone has four times the states)."""
+    return replace(scenario, name=f"{scenario.name}-tp2", faults=1, ranks=2)
+
+
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario(
-        "over-pool",
-        (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.OVER, 3, 1)),
-        pool_pages=4,
-        faults=2,
-    ),
-    Scenario(
-        "truncation",
-        (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.TRUNC, 3, 2)),
-        pool_pages=4,
-        faults=2,
-    ),
+    OVER_POOL,
+    TRUNCATION,
     Scenario(
         "abort-reuse",
         (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.FITS, 3, 3)),
         pool_pages=4,
         faults=2,
     ),
-    Scenario(
-        "over-pool-tp2",
-        (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.OVER, 3, 1)),
-        pool_pages=4,
-        faults=1,
-        ranks=2,
-    ),
+    two_ranks(OVER_POOL),
 )
 
 #: Wider bounds, about ten times the work: three tenants contend for the
 #: same 4 pages, with at most 1 fault per run; truncation with two ranks.
 WIDE_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + (
-    Scenario(
-        "truncation-tp2",
-        (RequestSpec(Kind.FITS, 2, 2), RequestSpec(Kind.TRUNC, 3, 2)),
-        pool_pages=4,
-        faults=1,
-        ranks=2,
-    ),
+    two_ranks(TRUNCATION),
     Scenario(
         "three-tenants",
         (
