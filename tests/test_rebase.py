@@ -42,6 +42,8 @@ H11 = "0030-h11-refuse-parallel-sampling-in-pd.patch"
 H12 = "0031-h12-refuse-sampling-params-that-do-not-build.patch"
 # H13: the metadata gate's hold bounded, seamed in the gate and imported just above it.
 H13 = "0032-h13-end-transfer-whose-metadata-never-lands.patch"
+# H5 across ranks (0.5.19-0.5.22): decode's failure hold and release loop, as each release shapes them.
+H5A = "0033-h5-hold-and-release-together-across-ranks.patch"
 
 
 # Why each verdict is the fact: 0.5.20 moved the seam's lines (offset only);
@@ -69,7 +71,9 @@ H13 = "0032-h13-end-transfer-whose-metadata-never-lands.patch"
 # H11's import sits above a helper 0.5.22 put a watermark check before (a clean 3-way merge);
 # H12's block ends where 0.5.22 added that check after `verify` (a human: 0.5.22's schema gate
 # makes H12 needless there). H13's gate only moves until 0.5.23 put a new function after it
-# (a clean 3-way merge).
+# (a clean 3-way merge). H5's rank agreement seams the failure hold, whose condition 0008
+# and each release word differently, and the release loop each release rewrote: a human
+# (who drops it on 0.5.23, which all-reduces both itself).
 @pytest.mark.parametrize("target, verdict, h1, h2, h5, h5g, h11, h12, h13", [
     ("0.5.20", OFFSET, MERGED, MERGED, MERGED, MERGED, OFFSET, OFFSET, OFFSET),
     ("0.5.21", MERGED, UPSTREAM, MERGED, UPSTREAM, MERGED, OFFSET, OFFSET, OFFSET),
@@ -84,7 +88,7 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, tar
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
         H5G: h5g, H5S: CONFLICT, H6B: UPSTREAM, H6: MERGED if target == "0.5.23" else OFFSET,
         H6P: UPSTREAM if target == "0.5.23" else OFFSET,
-        H5D: CONFLICT, H11: h11, H12: h12, H13: h13}
+        H5D: CONFLICT, H11: h11, H12: h12, H13: h13, H5A: CONFLICT}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -105,7 +109,7 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     rest carries, adds what 0.5.21's own series adds, verifies and builds."""
     shutil.rmtree(tree_copy / "0.5.21")
     drop_ids("0.5.20", "H8")
-    drop_patches("0.5.20", H5D, H5R)  # a per-base variant (above), and what builds on it
+    drop_patches("0.5.20", H5D, H5R, H5A)  # per-base variants (above), and what builds on them
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
@@ -117,7 +121,7 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     assert not (written / H1).exists() and not (written / H5).exists()
     carried = load_series(tree_copy, "0.5.21")
     assert [p.name for p in carried.patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P, H11, H12, H13]
-    hand_made = [p for p in load_series(patches, "0.5.21").patches if p.name not in (H8, H8N, H5D, H5R)]
+    hand_made = [p for p in load_series(patches, "0.5.21").patches if p.name not in (H8, H8N, H5D, H5R, H5A)]
     assert [added_lines(p.diff) for p in carried.patches] == [added_lines(p.diff) for p in hand_made]
     assert load_lock(tree_copy)["0.5.21"] == result.pin
     assert all(row.ok for row in verify_base(tree_copy, "0.5.21"))
@@ -128,11 +132,12 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
 def test_h8_needs_a_human_where_upstream_refactored_the_receivers(tree_copy):
     """0.5.23 moved the Mooncake and NIXL receivers' bootstrap messages into their managers:
     H8's seams there conflict, and it rewrote the deferred-release deadline check H5's guard
-    sits in (the rest of 0.5.22's series carries); the job says so."""
+    sits in, and all-reduces the holds and releases 0033 shares (the rest of 0.5.22's series
+    carries); the job says so."""
     shutil.rmtree(tree_copy / "0.5.23")
     result = rebase(tree_copy, "0.5.22", "0.5.23")
     conflicts = [v for v in result.verdicts if v.verdict == CONFLICT]
-    assert [v.patch.name for v in conflicts] == [H8, H8N, H5G]
+    assert [v.patch.name for v in conflicts] == [H8, H8N, H5G, H5A]
     assert "sglang/srt/disaggregation/mooncake/conn.py" in conflicts[0].rejects
     assert "sglang/srt/disaggregation/nixl/conn.py" in conflicts[1].rejects
     assert not result.clean
@@ -149,13 +154,13 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert (tree_copy / "upstream.lock").read_text() == lock_before
     rejected = sorted(rejects.iterdir())
     assert {r.name.split(".", 1)[0] for r in rejected} == {
-        p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S, H5D, H12)}
+        p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S, H5D, H12, H5A)}
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 
 def test_existing_series_is_not_overwritten_without_force(run_cli, tree_copy, drop_ids, drop_patches):
     drop_ids("0.5.20", "H8")  # a clean rebase: see test_backport_upstream_already_has_is_dropped_and_recorded
-    drop_patches("0.5.20", H5D, H5R)
+    drop_patches("0.5.20", H5D, H5R, H5A)
     before = (tree_copy / "0.5.21" / H0).read_text()
     done = run_cli("rebase", "--from", "0.5.20", "--to", "0.5.21")
     assert done.returncode == 1 and "pass --force" in done.stderr

@@ -8,10 +8,15 @@ decode; on prefill, H5's count of chunks its own transfer worker still sends) ca
 between ranks when one rank's transfer went wrong. If one rank then aborts, holds or frees
 what the others do not, their next collective never matches and the server answers no one
 again (both found on TP 2/2 clusters, tests/e2e/test_multi_rank.py). So such a decision is
-shared before any rank acts on it.
+shared before any rank acts on it. Upstream 0.5.23 does the same for decode's failure holds and
+deferred releases (MAX and MIN all-reduces in ``disaggregation/decode.py``); 0.5.19-0.5.22 get
+that here (``hold_anywhere``, ``release_together``), and the protocol model shows why
+(``model necessity``: the release agreement, with two ranks).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +35,34 @@ def any_rank(flags: list[bool], groups: Groups) -> list[bool]:
     for group in wide:
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     return [bool(v) for v in reduced.tolist()]
+
+
+def every_rank(flags: list[bool], groups: Groups) -> list[bool]:
+    """Each flag AND-ed over every rank of each group (a MIN all-reduce; as ``any_rank``)."""
+    return [not f for f in any_rank([not f for f in flags], groups)]
+
+
+def hold_anywhere(notified: bool, group: dist.ProcessGroup | None) -> bool:
+    """Decode's choice, for a transfer that failed, to hold its pages for prefill's drain ack:
+    made by every rank if any rank must. Whether the ABORT went out is rank-local (one rank's
+    receiver may not have bootstrapped yet); a rank that freed while another held would admit
+    into pages the other still counts as taken. Every rank reaches it for the same failed
+    requests in the same order (their polls are all-reduced)."""
+    return any_rank([notified], (group,))[0]
+
+
+def release_together(
+    held: Sequence[tuple], leaving: Sequence[tuple], group: dist.ProcessGroup | None
+) -> tuple[list[tuple], list[tuple]]:
+    """One pass of decode's deferred releases, agreed: an entry of ``held`` (upstream's list,
+    the same on every rank) leaves only when it leaves on every rank. Acks and deadlines are
+    rank-local, so one rank would free pages the others still hold. ``held`` entries and
+    ``leaving`` tuples both start with their DecodeRequest; returns (leaving, still held), the
+    latter in ``held``'s order."""
+    going = {id(entry[0]) for entry in leaving}
+    agreed = every_rank([id(entry[0]) in going for entry in held], (group,))
+    stay = {id(entry[0]) for entry, ok in zip(held, agreed) if not ok}
+    return [t for t in leaving if id(t[0]) not in stay], [e for e in held if id(e[0]) in stay]
 
 
 def scheduler_groups(scheduler: object | None) -> Groups:
