@@ -62,14 +62,17 @@ def _sources(patches, base: str) -> dict[str, str]:
     return {"upstream": upstream[DECODE], "hardened": hardened[DECODE], "utils": upstream[UTILS] or ""}
 
 
-def _two_passes(source: str, utils: str):
-    """What each rank released after a pass where only rank 0 has its ack, then one where both do."""
+def _two_passes(source: str, utils: str, acked_in: tuple[int | None, int | None], notified=(True, True)):
+    """What each rank released after each of two passes; rank k's drain ack arrives before pass
+    ``acked_in[k]`` (None: never). A rank not ``notified`` sent no ABORT and never bootstrapped:
+    it holds only because the other rank must."""
 
     def job(rank: int, group: dist.ProcessGroup) -> list[list[str]]:
-        acked = {"now": rank == 0}
-        manager = SimpleNamespace(is_abort_release_safe=lambda _room, _acks: acked["now"])
-        receiver = SimpleNamespace(kv_mgr=manager, bootstrap_infos=[{}], abort_notified=True,
-                                   is_abort_release_safe=lambda: acked["now"])
+        acks = {"got": 0}
+        manager = SimpleNamespace(is_abort_release_safe=lambda _room, required: acks["got"] >= required)
+        receiver = SimpleNamespace(kv_mgr=manager, abort_notified=notified[rank],
+                                   bootstrap_infos=[{}] if notified[rank] else None,
+                                   is_abort_release_safe=lambda: acks["got"] >= 1)
         req = SimpleNamespace(req=SimpleNamespace(bootstrap_room=7, rid="r"), kv_receiver=receiver,
                               metadata_buffer_index=3, host_staged=False)
         freed: list[str] = []
@@ -82,10 +85,10 @@ def _two_passes(source: str, utils: str):
         )
         queue._defer_release(req)
         passes = []
-        for _ in range(2):
+        for n in range(2):
+            acks["got"] = int(acked_in[rank] is not None and n >= acked_in[rank])
             queue.resolve_deferred_releases()
             passes.append(list(freed))
-            acked["now"] = True
         return passes
 
     return on_ranks(job)
@@ -98,13 +101,22 @@ def sources(patches, bases) -> dict[str, dict[str, str]]:
 
 def test_upstream_before_0_5_23_frees_on_one_rank_alone(sources):
     for base in ("0.5.19", "0.5.22"):
-        rank0, rank1 = _two_passes(sources[base]["upstream"], sources[base]["utils"])
+        rank0, rank1 = _two_passes(sources[base]["upstream"], sources[base]["utils"], (0, 1))
         assert rank0[0] == ["r"] and rank1[0] == [], f"{base}: the divergence this test guards against"
 
 
 @pytest.mark.parametrize("base", ["0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"])
 def test_a_hold_ends_on_every_rank_together(sources, base):
-    rank0, rank1 = _two_passes(sources[base]["hardened"], sources[base]["utils"])
+    rank0, rank1 = _two_passes(sources[base]["hardened"], sources[base]["utils"], (0, 1))
+    assert rank0 == rank1 == [[], ["r"]], f"{base}: rank 0 {rank0}, rank 1 {rank1}"
+
+
+@pytest.mark.parametrize("base", ["0.5.19", "0.5.22", "0.5.23"])
+def test_a_rank_holding_only_for_another_waits_for_that_ranks_ack(sources, base):
+    """Rank 1's receiver never bootstrapped (so sent no ABORT) when the transfer failed; it
+    holds because rank 0 must. It awaits no ack of its own (0.5.19's hold asked for one per
+    bootstrap entry it does not have, and failed), and frees when rank 0's ack comes."""
+    rank0, rank1 = _two_passes(sources[base]["hardened"], sources[base]["utils"], (1, None), (True, False))
     assert rank0 == rank1 == [[], ["r"]], f"{base}: rank 0 {rank0}, rank 1 {rank1}"
 
 

@@ -10,7 +10,7 @@ what the others do not, their next collective never matches and the server answe
 again (both found on TP 2/2 clusters, tests/e2e/test_multi_rank.py). So such a decision is
 shared before any rank acts on it. Upstream 0.5.23 does the same for decode's failure holds and
 deferred releases (MAX and MIN all-reduces in ``disaggregation/decode.py``); 0.5.19-0.5.22 get
-that here (``hold_anywhere``, ``release_together``), and the protocol model shows why
+that here (``hold_anywhere``, ``acks_to_await``, ``release_together``), and the protocol model shows why
 (``model necessity``: the release agreement, with two ranks).
 """
 
@@ -49,6 +49,14 @@ def hold_anywhere(notified: bool, group: dist.ProcessGroup | None) -> bool:
     into pages the other still counts as taken. Every rank reaches it for the same failed
     requests in the same order (their polls are all-reduced)."""
     return any_rank([notified], (group,))[0]
+
+
+def acks_to_await(receiver: object) -> int:
+    """The drain acks a rank's hold of a failed transfer waits for: one per prefill rank its
+    receiver sent the ABORT to, none when it holds only because another rank must (it sent
+    none, and may not have bootstrapped at all: then it is ready at once and waits, through
+    ``release_together``, for the rank that must). 0.5.23's rule."""
+    return len(receiver.bootstrap_infos) if receiver.abort_notified else 0
 
 
 def release_together(
