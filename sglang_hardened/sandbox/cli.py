@@ -66,7 +66,7 @@ def sandbox() -> None:
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks per role (gloo on CPU).")
 @click.option("--decode-tp", type=int, default=None, help="Decode's own TP size (default: --tp): mismatched TP.")
 @click.option("--dp", type=int, default=1, show_default=True, help="DP-attention groups per role, inside its TP ranks "
-              "(on CPU, 0.5.23 stops at the first forward: docs/fault-matrix.md).")
+              "(on CPU, 0.5.23 warms up, then prefill stops answering its health check: docs/fault-matrix.md).")
 def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, lb: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
