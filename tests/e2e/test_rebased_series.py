@@ -20,7 +20,8 @@ def test_series_rebased_onto_0_5_21_passes_the_oversized_prompt_scenario(start_c
     drop_base("0.5.21")
     drop_ids("0.5.20", "H8")  # its seams are per-base variants (tests/test_rebase.py)
     drop_patches("0.5.20", "0023-h5-nixl-drain-ack-after-writes-settle.patch",  # likewise,
-                 "0024-h5-backport-nixl-rejected-post.patch")  # and what builds on it
+                 "0024-h5-backport-nixl-rejected-post.patch",  # what builds on it,
+                 "0033-h5-hold-and-release-together-across-ranks.patch")  # and H5's rank agreement
     with phase("rebase 0.5.20 -> 0.5.21"):
         result = rebase(tree_copy, "0.5.20", "0.5.21")
     # upstream's own changes, backported: H1's admission check and H5's deferred release (0.5.21)
