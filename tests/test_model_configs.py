@@ -6,8 +6,6 @@ release must break exactly the properties its named configuration leaves open.
 
 from __future__ import annotations
 
-from functools import cache
-
 import pytest
 from click.testing import CliRunner
 
@@ -20,12 +18,10 @@ from sglang_hardened.model.configs import (
     NAMED,
     SCENARIOS,
     WIDE_SCENARIOS,
-    Agreement,
-    Config,
     Switch,
     parse_config,
 )
-from sglang_hardened.model.state import Scenario
+from tests.model_results import check
 
 HARDENED = [n for n in NAMED if n.startswith("hardened-")]
 
@@ -59,19 +55,6 @@ UPSTREAM_OPEN = {
     # 0.5.23 all-reduces its deferred releases
     "upstream-0.5.23": _LEAKS,
 }
-
-
-@cache
-def _explored(
-    switches: frozenset[Switch], agreed: frozenset[Agreement], scenarios: tuple[Scenario, ...]
-) -> CheckResult:
-    return uncached_check(Config("any", switches, "", False, agreed), scenarios)
-
-
-def check(config: Config, scenarios: tuple[Scenario, ...] = SCENARIOS) -> CheckResult:
-    """Each configuration is explored once for the whole module, CLI included."""
-    res = _explored(config.switches, config.agreed, scenarios)
-    return CheckResult(config, res.results, res.seconds)
 
 
 @pytest.fixture(autouse=True)

@@ -13,12 +13,14 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from sglang_hardened.model.checker import CheckResult, check
+from sglang_hardened.model.checker import CheckResult
+from sglang_hardened.model import cli
 from sglang_hardened.model.cli import model
 from sglang_hardened.model.configs import NAMED
 from sglang_hardened.model.machine import Machine
 from sglang_hardened.model.report import format_finding
 from sglang_hardened.model.state import D_RUN, PRIOR, Kind, initial_state
+from tests.model_results import check
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,8 @@ def test_upstream_19_also_lets_the_over_pool_request_succeed(
     assert "prefill answers 200" in success.message
 
 
-def test_cli_exits_1_with_the_trace() -> None:
+def test_cli_exits_1_with_the_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "check", check)
     result = CliRunner().invoke(model, ["check", "--config", "upstream-0.5.19"])
     assert result.exit_code == 1
     assert "VIOLATION foreign-read" in result.output

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from sglang_hardened.model.checker import CheckResult, check, explore
+from sglang_hardened.model.checker import CheckResult, explore
 from sglang_hardened.model.configs import SCENARIOS, parse_config
 from sglang_hardened.model.machine import FAULT, Machine, Step
 from sglang_hardened.model.state import D_WAIT, P_DONE, State
+from tests.model_results import check
 
 
 class _Without(Machine):

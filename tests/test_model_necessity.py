@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import pytest
 from click.testing import CliRunner
 
 from sglang_hardened.model import necessity
-from sglang_hardened.model.checker import check
 from sglang_hardened.model.cli import model
 from sglang_hardened.model.configs import ALL, COVERED_BY, Agreement, Switch
 from sglang_hardened.model.necessity import ItemVerdict, agreement_verdict, kinds_at, verdict
+from tests.model_results import check
 
 #: What turning each uncovered item off alone breaks, and why it must.
 NEEDED = {
@@ -26,18 +24,17 @@ NEEDED = {
 }
 
 
-_check = lru_cache(maxsize=None)(check)
 
 
 @pytest.fixture(autouse=True)
 def _explore_each_configuration_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(necessity, "check", _check)
+    monkeypatch.setattr(necessity, "check", check)
 
 
 @pytest.fixture(scope="module")
 def verdicts() -> dict[Switch, ItemVerdict]:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(necessity, "check", _check)
+        mp.setattr(necessity, "check", check)
         return {item: verdict(item) for item in sorted(ALL)}
 
 

@@ -3,7 +3,6 @@ decisions decode's ranks take from their own state (a drain ack, a tag check).""
 
 from __future__ import annotations
 
-from sglang_hardened.model.checker import check
 from sglang_hardened.model.configs import AGREED, ALL, NAMED, SCENARIOS, Agreement
 from sglang_hardened.model.machine import Event, Machine
 from sglang_hardened.model.properties import pending_writes, safety_violations
@@ -19,6 +18,7 @@ from sglang_hardened.model.state import (
     State,
     initial_state,
 )
+from tests.model_results import check
 
 (TP2,) = [sc for sc in SCENARIOS if sc.ranks == 2]
 

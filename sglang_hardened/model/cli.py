@@ -10,9 +10,10 @@ import click
 
 from .checker import CheckResult, check
 from ..common.table import format_table as format_rows
-from .configs import NAMED, SCENARIOS, WIDE_SCENARIOS, Agreement, parse_config
+from .configs import NAMED, SCENARIOS, WIDE_SCENARIOS, Agreement, Config, parse_config
 from .necessity import kinds_at, necessity
 from .report import format_finding, format_table
+from .state import Scenario
 
 
 def _bounds_line(wide: bool) -> str:
@@ -90,7 +91,7 @@ def check_cmd(
         raise click.BadParameter(str(exc), param_hint="--config") from None
     scenarios = WIDE_SCENARIOS if wide else SCENARIOS
     click.echo(_bounds_line(wide))
-    results: list[CheckResult] = [check(cfg, scenarios) for cfg in configs]
+    results = _check_each(configs, scenarios)
     click.echo(format_table(results))
     if check_all:
         wrong = [r.config.name for r in results if r.clean != r.config.expect_clean]
@@ -104,6 +105,19 @@ def check_cmd(
             click.echo(f"\n[{res.config.name}] {format_finding(finding)}")
     if any(not r.clean for r in results):
         raise SystemExit(1)
+
+
+def _check_each(configs: list[Config], scenarios: tuple[Scenario, ...]) -> list[CheckResult]:
+    """Each configuration's result; configurations that mean the same machine (every hardened
+    base) are explored once and share it."""
+    explored: dict[tuple[frozenset, frozenset], CheckResult] = {}
+    results = []
+    for cfg in configs:
+        key = (cfg.switches, cfg.agreed)
+        if key not in explored:
+            explored[key] = check(cfg, scenarios)
+        results.append(CheckResult(cfg, explored[key].results, explored[key].seconds))
+    return results
 
 
 @model.command("necessity")

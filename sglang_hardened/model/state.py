@@ -80,6 +80,10 @@ class Scenario:
     #: k's shard of every page over its own transfer lane, and each role's ranks run one
     #: scheduler in step (same admissions, same page indices) as long as they agree.
     ranks: int = 1
+    #: Whether a write may be reported done and never land (the ``batch_skip`` fault). Drawn
+    #: where H8 and its rank agreement need it (the over-pool workloads), not everywhere: it
+    #: adds 40% to a scenario's states, and CI checks every scenario many times over.
+    skips: bool = False
 
     def tenant(self, r: int) -> str:
         """Tenant letter of request ``r`` (each request its own tenant)."""
