@@ -10,8 +10,8 @@ what the others do not, their next collective never matches and the server answe
 again (both found on TP 2/2 clusters, tests/e2e/test_multi_rank.py). So such a decision is
 shared before any rank acts on it. Upstream 0.5.23 does the same for decode's failure holds and
 deferred releases (MAX and MIN all-reduces in ``disaggregation/decode.py``); 0.5.19-0.5.22 get
-that here (``hold_anywhere``, ``acks_to_await``, ``release_together``), and the protocol model shows why
-(``model necessity``: the release agreement, with two ranks).
+that here (``hold_anywhere``, ``acks_to_await``, ``release_together``), and the protocol
+model shows why (``model necessity``: the release agreement, with two ranks).
 """
 
 from __future__ import annotations
