@@ -14,12 +14,13 @@ from sglang_hardened.model.state import Scenario
 
 @cache
 def _explored(
-    switches: frozenset[Switch], agreed: frozenset[Agreement], scenarios: tuple[Scenario, ...]
+    machine: tuple[frozenset[Switch], frozenset[Agreement]], scenarios: tuple[Scenario, ...]
 ) -> CheckResult:
+    switches, agreed = machine
     return explore_config(Config("any", switches, "", False, agreed), scenarios)
 
 
 def check(config: Config, scenarios: tuple[Scenario, ...] = SCENARIOS) -> CheckResult:
-    """``checker.check``, explored once per machine and scenario set."""
-    res = _explored(config.switches, config.agreed, scenarios)
+    """``checker.check``, explored once per machine (``Config.machine``) and scenario set."""
+    res = _explored(config.machine, scenarios)
     return CheckResult(config, res.results, res.seconds)

@@ -110,13 +110,13 @@ def check_cmd(
 def _check_each(configs: list[Config], scenarios: tuple[Scenario, ...]) -> list[CheckResult]:
     """Each configuration's result; configurations that mean the same machine (every hardened
     base) are explored once and share it."""
-    explored: dict[tuple[frozenset, frozenset], CheckResult] = {}
+    explored: dict[tuple, CheckResult] = {}
     results = []
     for cfg in configs:
-        key = (cfg.switches, cfg.agreed)
-        if key not in explored:
-            explored[key] = check(cfg, scenarios)
-        results.append(CheckResult(cfg, explored[key].results, explored[key].seconds))
+        if cfg.machine not in explored:
+            explored[cfg.machine] = check(cfg, scenarios)
+        res = explored[cfg.machine]
+        results.append(CheckResult(cfg, res.results, res.seconds))
     return results
 
 

@@ -88,6 +88,12 @@ class Config:
     expect_clean: bool
     agreed: frozenset[Agreement] = AGREED
 
+    @property
+    def machine(self) -> tuple[frozenset[Switch], frozenset[Agreement]]:
+        """What the explored machine depends on: configurations equal here (every hardened
+        base) explore the same state graph, whatever their names."""
+        return self.switches, self.agreed
+
 
 def _named() -> dict[str, Config]:
     configs: dict[str, Config] = {}
