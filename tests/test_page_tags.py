@@ -24,7 +24,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_hardened.runtime.page_tags import ROW_PATHS, FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
+from sglang_hardened.runtime.page_tags import (ROW_PATHS, FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch,
+                                               SourceTags, TagBuffer)
 from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV, CostMeter, read_cost_lines
 from sglang_hardened.runtime.policy import load_limits
 
@@ -269,6 +270,47 @@ def test_buf_info_is_what_a_transfer_engine_registers(path):
     buffer.stamp([3], 2**63 - 1, 9)  # the largest room SGLang draws
     # The bytes an engine copies for page 3: two native int64 words at ptr + 3 * item_len.
     assert struct.unpack("=qq", ctypes.string_at(ptr + 3 * item_len, item_len)) == (2**63 - 1, 9)
+
+
+def in_another_thread(call):
+    """What `call` returns, or raises, run on a thread of its own (a transfer worker)."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(call())
+        except Exception as e:  # noqa: BLE001 - handed back to the test
+            out.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return out[0]
+
+
+@both_paths
+def test_each_sending_thread_stamps_its_own_lane_of_one_registration(path):
+    tags = SourceTags(10, lanes=2, path=path)
+    ptr, nbytes, item_len = tags.buf_info()
+    assert (ptr, nbytes, item_len) == (tags.rows.data_ptr(), 2 * 10 * 16, 16)
+    mine = tags.lane()
+    assert tags.lane() is mine and mine.path == path
+
+    def stamp_page_3():
+        tags.lane().stamp([3], 41, 2)
+        return tags.lane()
+
+    theirs = in_another_thread(stamp_page_3)
+    mine.stamp([3], 2**63 - 1, 9)  # the same prefill page, another request
+    assert theirs.buf_info()[0] == ptr + 10 * item_len  # the second lane's rows, registered with the first's
+    assert struct.unpack("=qq", ctypes.string_at(ptr + 3 * item_len, item_len)) == (2**63 - 1, 9)
+    assert struct.unpack("=qq", ctypes.string_at(ptr + (10 + 3) * item_len, item_len)) == (41, 2)
+
+
+def test_a_thread_past_the_last_lane_is_refused():
+    tags = SourceTags(4, lanes=1)
+    tags.lane()
+    assert "more threads send KV than prefill has tag lanes (1" in str(in_another_thread(tags.lane))
 
 
 def test_gpu_benchmark_runs_its_code_path_on_cpu_at_small_sizes(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang_hardened.runtime import page_tags_seams as seams
-from sglang_hardened.runtime.page_tags import DecodePageTags, TagBuffer
+from sglang_hardened.runtime.page_tags import DecodePageTags, SourceTags
 
 PAGE = 4
 ROOM = 7
@@ -58,21 +58,22 @@ def test_unhardened_peers_send_and_get_no_frame():
 
 def test_tag_layer_only_for_the_kv_pool_and_a_hardened_decode():
     kv_ptrs = [1, 2]
-    manager = SimpleNamespace(hardened_tags=TagBuffer(8), kv_args=SimpleNamespace(kv_data_ptrs=kv_ptrs),
+    manager = SimpleNamespace(hardened_tags=SourceTags(8, lanes=2), kv_args=SimpleNamespace(kv_data_ptrs=kv_ptrs),
                               decode_kv_args_table={"s": SimpleNamespace(hardened_h8=99),
                                                     "old": SimpleNamespace(hardened_h8=None)})
-    src, _, item = manager.hardened_tags.buf_info()
+    src, _, item = manager.hardened_tags.lane().buf_info()
     assert seams.tag_layer(manager, "s", kv_ptrs) == [(src, 99, item)]
     assert seams.tag_layer(manager, "s", [1, 2]) == []  # a state buffer's transfer
     assert seams.tag_layer(manager, "old", kv_ptrs) == []
 
 
 def test_before_send_stamps_the_chunk_and_sends_it_whole():
-    buffer = TagBuffer(8)
+    tags = SourceTags(8, lanes=2)
     chunk, dst = Chunk(torch.tensor([1, 2, 3])), torch.tensor([4, 5, 6])
-    assert seams.before_send(SimpleNamespace(hardened_tags=buffer), chunk,
+    assert seams.before_send(SimpleNamespace(hardened_tags=tags), chunk,
                              SimpleNamespace(room=ROOM, hardened_h8=5), dst) == (chunk, dst)
-    assert buffer.rows[[1, 2, 3, 4]].tolist() == [[ROOM, 5], [ROOM, 5], [ROOM, 5], [-1, -1]]
+    assert tags.lane().rows[[1, 2, 3, 4]].tolist() == [[ROOM, 5], [ROOM, 5], [ROOM, 5], [-1, -1]]
+    assert (tags.rows[1] == -1).all()  # another worker's lane is untouched
 
 
 def test_check_reads_the_page_table_and_releases(aborted):

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_hardened.runtime import page_tags_seams
 from sglang_hardened.runtime.page_tags_seams import make_tags
 from sglang_hardened.runtime.page_tags_switch import TAGS_ENV, tags_on
 
@@ -30,4 +31,5 @@ def test_a_manager_started_with_tags_off_has_none_and_says_so(monkeypatch, caplo
     assert make_tags(manager) is None and manager.hardened_tags is None
     assert f"page tags OFF on this {mode}" in caplog.text
     monkeypatch.setenv(TAGS_ENV, "on")
+    monkeypatch.setattr(page_tags_seams, "send_lanes", lambda: 4)  # upstream's setting; no sglang here
     assert make_tags(manager) is not None and manager.hardened_tags is not None

@@ -22,29 +22,53 @@ PLAN = {"pages": 16, "requests": [
 ]}
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-def test_tag_rows_cross_processes_and_a_lost_page_is_caught(backend):
+def exchange(backend: str, plan: dict) -> tuple[dict, dict]:
+    """Run decode and prefill peers on `plan`: (decode's line to prefill, decode's checks)."""
     env = build_env("0.5.23", wheels_for("0.5.23", hardened=False), TESTS / "cpu_overlay")  # cached
     environ = env.environ() | {"MC_FORCE_TCP": "1"}
     environ["PYTHONPATH"] = f"{TESTS.parent}:{environ['PYTHONPATH']}"  # this checkout's runtime layer
     peer = [str(env.python), str(PEER), backend]
-    plan = json.dumps(PLAN)
-    with subprocess.Popen(peer + ["decode", plan], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    with subprocess.Popen(peer + ["decode", json.dumps(plan)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=environ, cwd=TESTS) as decode:
         try:
             where = decode.stdout.readline()
             assert where, decode.stderr.read()[-2000:] if decode.poll() is not None else "decode said nothing"
-            sent = subprocess.run(peer + ["prefill", plan], input=where, capture_output=True, text=True,
-                                  env=environ, cwd=TESTS, timeout=60)
+            sent = subprocess.run(peer + ["prefill", json.dumps(plan)], input=where, capture_output=True,
+                                  text=True, env=environ, cwd=TESTS, timeout=60)
             assert json.loads(sent.stdout or "{}") == {"rc": 0}, sent.stderr[-2000:]
             decode.stdin.write("done\n")
             decode.stdin.flush()
-            result = json.loads(decode.stdout.readline())
+            return json.loads(where), json.loads(decode.stdout.readline())
         finally:
             decode.kill()
-    epochs = json.loads(where)["epochs"]
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_tag_rows_cross_processes_and_a_lost_page_is_caught(backend):
+    where, result = exchange(backend, PLAN)
+    epochs = where["epochs"]
     assert result["rows"][str(ROOM_A)] == [[ROOM_A, epochs[str(ROOM_A)]]] * 4
     assert result["rows"][str(ROOM_B)] == [[ROOM_B, epochs[str(ROOM_B)]], [-1, -1]]
     ok, lost = result["verdicts"]
     assert ok is None
     assert f"room={ROOM_B} epoch={epochs[str(ROOM_B)]}: 1 of its 2 pages" in lost
+
+
+# Two requests whose prompts share three cached prefix pages (prefill pages 0-2), sent by two
+# transfer workers (two decode ranks or instances): each decode page gets its own request's tag.
+SHARED_PREFIX = {"pages": 16, "requests": [
+    {"room": ROOM_A, "dst": [3, 4, 5, 6], "src": [0, 1, 2, 7], "sent": [0, 1, 2, 3]},
+    {"room": ROOM_B, "dst": [9, 10, 11, 12], "src": [0, 1, 2, 8], "sent": [0, 1, 2, 3]},
+]}
+
+
+@pytest.mark.parametrize("backend, race", [("mooncake", "workers"), ("nixl", "workers"), ("nixl", "queued")])
+def test_h8_false_refusal_under_a_shared_prefix(backend, race):
+    """#21.10: the second request's stamp on the shared prefix pages lands between the first one's
+    stamp and its write (two workers; or NIXL 0.5.23's one worker, the first write still queued);
+    the first request, correct, must still be admitted."""
+    where, result = exchange(backend, SHARED_PREFIX | {"race": race})
+    epochs = where["epochs"]
+    assert result["verdicts"] == [None, None], result["verdicts"]
+    for room in (ROOM_A, ROOM_B):
+        assert result["rows"][str(room)] == [[room, epochs[str(room)]]] * 4

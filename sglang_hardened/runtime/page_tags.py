@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -146,8 +147,18 @@ class TagBuffer:
 
     def __init__(self, num_pages: int, device: torch.device | str = "cpu", cost: CostMeter | None = None,
                  path: str | None = None) -> None:
+        self._adopt(torch.full((num_pages, TAG_WORDS), UNSTAMPED, dtype=torch.int64, device=device), cost, path)
+
+    @classmethod
+    def over(cls, rows: torch.Tensor, cost: CostMeter | None = None, path: str | None = None) -> TagBuffer:
+        """A buffer on rows it does not own: one lane of a `SourceTags` registration."""
+        buffer = cls.__new__(cls)
+        buffer._adopt(rows, cost, path)
+        return buffer
+
+    def _adopt(self, rows: torch.Tensor, cost: CostMeter | None, path: str | None) -> None:
         self.cost = cost  # prefill's: each stamp is timed
-        self.rows = torch.full((num_pages, TAG_WORDS), UNSTAMPED, dtype=torch.int64, device=device)
+        self.rows = rows
         self.device: torch.device = self.rows.device
         self.path = row_path(self.device, path)
         self.ops = ROW_PATHS[self.path](self.rows)
@@ -167,6 +178,51 @@ class TagBuffer:
     def clear(self, pages: Pages) -> None:
         """Reset rows to UNSTAMPED: whatever the page held no longer vouches for anyone."""
         self.ops.clear(self.ops.index(pages))
+
+
+class SourceTags:
+    """Prefill's tag rows: one set of rows (a lane) per transfer worker thread, registered as one
+    buffer.
+
+    Two requests whose prompts share cached prefix pages send the same prefill pages. With one
+    set of rows, a worker sending to one decode could restamp those rows while another worker's
+    write to another decode still reads them, and a correct request would be refused (with
+    fail-closed on, decode would stop). A worker stamps and sends only its own lane's rows, and
+    within a lane a stamp never overtakes a write that reads it (Mooncake's send returns after
+    its writes, but for a failed send with its custom memory pool and deferred release
+    overridden off; NIXL settles a lane's pending writes before stamping other values). Where
+    one still reads, restamping can only get that write's own room refused. Cost: 16 bytes per
+    page per lane.
+    """
+
+    def __init__(self, num_pages: int, lanes: int, device: torch.device | str = "cpu",
+                 cost: CostMeter | None = None, path: str | None = None) -> None:
+        if lanes < 1:
+            raise ValueError(f"sglang-hardened H8: prefill needs at least one tag lane, not {lanes}")
+        self.rows = torch.full((lanes, num_pages, TAG_WORDS), UNSTAMPED, dtype=torch.int64, device=device)
+        self.device: torch.device = self.rows.device
+        self.lanes = [TagBuffer.over(rows, cost, path) for rows in self.rows.unbind(0)]
+        self._by_thread: dict[int, TagBuffer] = {}
+        self._lock = threading.Lock()
+
+    def buf_info(self) -> tuple[int, int, int]:
+        """(data_ptr, nbytes, item_len) of every lane together: what the engine registers."""
+        return self.rows.data_ptr(), self.rows.nbytes, self.lanes[0].buf_info()[2]
+
+    def lane(self) -> TagBuffer:
+        """The calling thread's lane, given on its first call. A thread past the last lane raises
+        rather than share one: upstream starts one sending thread per transfer queue, the count
+        the lanes were made for, so more means a base this layer was not made for (on Mooncake
+        the worker then stops as dead; on NIXL its rooms fail and decode refuses them)."""
+        thread = threading.get_ident()
+        lane = self._by_thread.get(thread)
+        if lane is None:
+            with self._lock:
+                if len(self._by_thread) == len(self.lanes):
+                    raise RuntimeError(f"sglang-hardened H8: more threads send KV than prefill has tag lanes "
+                                       f"({len(self.lanes)}, one per transfer queue)")
+                lane = self._by_thread[thread] = self.lanes[len(self._by_thread)]
+        return lane
 
 
 class PageTagMismatch(RuntimeError):

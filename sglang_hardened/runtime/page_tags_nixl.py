@@ -8,11 +8,14 @@ moved by a NIXL agent.
   bootstrap thread strips them, with `tags_frame`, `epoch_frame` and `carried` (re-exported
   here so that NIXL's conn.py imports one module).
 - Prefill's transfer worker calls `send_tags` right before `send_kvcache` to one destination: it
-  stamps the chunk's prefill pages (`before_send`) and posts one more NIXL write, the tag rows
-  from prefill page to decode page with the chunk's page mapping. NIXL writes are asynchronous,
-  so the write must be complete before decode is told the chunk arrived:
+  stamps the chunk's prefill pages in its own lane of rows (`before_send`) and posts one more
+  NIXL write, the tag rows from prefill page to decode page with the chunk's page mapping. NIXL
+  writes are asynchronous, so the write must be complete before decode is told the chunk
+  arrived:
   - 0.5.23 (prefill reports success once every handle of the chunk is DONE): the tag handle is
-    appended to the chunk's handles, so it is waited on with the KV's;
+    appended to the chunk's handles, so it is waited on with the KV's; the lane's next stamp of
+    other values first waits for it, at most one release timeout (it may still be reading the
+    rows: requests that share cached prefix pages send the same prefill pages);
   - 0.5.19-0.5.22 (decode counts the KV write's own notification): `send_tags` waits for the
     tag write itself before returning, so the KV (and its notification) is posted after it; a
     wait past the release timeout fails the chunk and leaves the write to `nixl_drain`'s
@@ -33,13 +36,13 @@ from typing import Any
 import numpy as np
 
 from . import nixl_drain
-from .page_tags import TagBuffer
+from .page_tags import SourceTags, TagBuffer
 from .page_tags_seams import before_send, carried, epoch_frame, make_tags, tags_frame
 
 __all__ = ["carried", "epoch_frame", "register", "send_tags", "tags_frame"]
 
 
-def _mem(buffer: TagBuffer, gpu_id: int) -> tuple[str, int]:
+def _mem(buffer: TagBuffer | SourceTags, gpu_id: int) -> tuple[str, int]:
     """NIXL's (memory kind, device id) for a tag buffer: VRAM on its GPU, or DRAM (device 0)."""
     return ("VRAM", gpu_id) if buffer.device.type == "cuda" else ("DRAM", 0)
 
@@ -55,6 +58,7 @@ def register(manager) -> None:
     manager.hardened_tag_descs = manager.agent.register_memory([(ptr, nbytes, device, "")], kind)
     if not manager.hardened_tag_descs:
         raise RuntimeError(f"sglang-hardened H8: NIXL registration of the {kind} tag buffer failed")
+    manager.hardened_tag_writes = {}  # id(lane) -> ((room, epoch), its posted, unwaited writes)
 
 
 def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -65,39 +69,61 @@ def _runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return src[starts], dst[starts], lengths
 
 
-def _settle(manager, handle, room: int) -> None:
-    """Wait until a posted write is DONE; raise on ERR (the worker then fails the room), or at the
-    release timeout (a stalled peer), leaving the write to `nixl_drain`'s watcher: the room's
-    drain ack waits for it."""
-    until = nixl_drain.deadline(manager)
-    while (state := manager.agent.check_xfer_state(handle)) != "DONE":
-        if state == "ERR":
-            raise RuntimeError("sglang-hardened H8: NIXL tag-row write failed")
+def _state(manager, handle, until: float) -> str | None:
+    """Wait until a posted write is DONE or ERR and say which; None once `until` passes (a
+    stalled peer)."""
+    while (state := manager.agent.check_xfer_state(handle)) not in nixl_drain.SETTLED:
         if nixl_drain.passed(until):
-            nixl_drain.abandon(manager, room, [handle])
-            raise RuntimeError("sglang-hardened H8: NIXL tag-row write not settled within the release timeout")
+            return None
         time.sleep(0)
+    return state
+
+
+def _settle(manager, handle, room: int) -> None:
+    """Wait until the tag write is DONE; raise (the worker then fails the room) if it failed, or
+    at the release timeout, leaving the write to `nixl_drain`'s watcher: the room's drain ack
+    waits for it."""
+    state = _state(manager, handle, nixl_drain.deadline(manager))
+    if state is None:
+        nixl_drain.abandon(manager, room, [handle])
+        raise RuntimeError("sglang-hardened H8: NIXL tag-row write not settled within the release timeout")
+    if state == "ERR":
+        raise RuntimeError("sglang-hardened H8: NIXL tag-row write failed")
+
+
+def _settle_lane(manager, lane: TagBuffer, stamp: tuple[int, int]) -> None:
+    """Before a lane's rows are stamped with `stamp`: wait for its posted writes that carry other
+    values, which may still be reading the rows (a failed one reads nothing more), at most one
+    release timeout, once. A write still unsettled then belongs to a stalled peer's room, among
+    whose handles it is (that room's drain ack waits for it): restamping under it can only get
+    that room refused, never vouch for another's pages, and the lane serves other rooms on."""
+    pending = manager.hardened_tag_writes.get(id(lane))
+    if pending is None or pending[0] == stamp:
+        return  # nothing posted, or the same room's next chunk: its writes carry these values too
+    del manager.hardened_tag_writes[id(lane)]
+    until = nixl_drain.deadline(manager)
+    for handle in pending[1]:
+        if _state(manager, handle, until) is None:
+            return
 
 
 def send_tags(manager, kv_chunk, req, dst_indices, handles: list[Any] | None = None):
     """Seam in the NIXL transfer worker right before `send_kvcache` to one destination: stamp the
-    chunk's prefill pages with the destination's (room, epoch) and post the tag-row write to the
-    same decode pages. With `handles` (0.5.23) the write joins the chunk's handles; without
-    (0.5.19-0.5.22) it is waited for here. Returns the prefill and decode page indices to send."""
-    kv_chunk_sent, dst_indices = before_send(manager, kv_chunk, req, dst_indices)
-    src_indices = kv_chunk_sent.prefill_kv_indices
-    buffer, epoch = getattr(manager, "hardened_tags", None), getattr(req, "hardened_h8", None)
+    chunk's prefill pages with the destination's (room, epoch) in this worker's lane and post the
+    tag-row write to the same decode pages. With `handles` (0.5.23) the write joins the chunk's
+    handles; without (0.5.19-0.5.22) it is waited for here. Returns the prefill and decode page
+    indices to send."""
+    src_indices = kv_chunk.prefill_kv_indices
+    tags, epoch = getattr(manager, "hardened_tags", None), getattr(req, "hardened_h8", None)
     dst_info = manager.decode_kv_args_table.get(req.agent_name)
     dst_ptr = getattr(dst_info, "hardened_h8", None)
-    if buffer is None or epoch is None or dst_ptr is None or len(src_indices) == 0:
+    if tags is None or epoch is None or dst_ptr is None or len(src_indices) == 0:
         return src_indices, dst_indices  # no tags either side: decode refuses what it cannot check
-    # Prefill's rows are shared by the chunk's destinations: a write still reading them with
-    # another stamp must land before they are stamped again (one decode rank per epoch).
-    pending = getattr(kv_chunk, "hardened_tag_write", None)
-    if pending is not None and pending[1] != (req.room, epoch):
-        _settle(manager, pending[0], req.room)
-    src_ptr, _, item_len = buffer.buf_info()
-    src_kind, src_dev = _mem(buffer, manager.kv_args.gpu_id)
+    lane, stamp = tags.lane(), (req.room, epoch)
+    _settle_lane(manager, lane, stamp)
+    before_send(manager, kv_chunk, req, dst_indices)
+    src_ptr, _, item_len = lane.buf_info()
+    src_kind, src_dev = _mem(lane, manager.kv_args.gpu_id)
     dst_dev = dst_info.gpu_id if src_kind == "VRAM" else 0
     n = min(len(src_indices), len(dst_indices))
     src_start, dst_start, lengths = _runs(np.asarray(src_indices[:n], dtype=np.uint64),
@@ -117,5 +143,5 @@ def send_tags(manager, kv_chunk, req, dst_indices, handles: list[Any] | None = N
         _settle(manager, handle, req.room)
     else:
         handles.append(handle)
-        kv_chunk.hardened_tag_write = (handle, (req.room, epoch))
+        manager.hardened_tag_writes.setdefault(id(lane), (stamp, []))[1].append(handle)
     return src_indices, dst_indices

@@ -13,7 +13,9 @@ Where the tags live and travel:
 - Prefill stamps its rows for the pages of a chunk right before the
   synchronous send to one destination (`before_send`), and the rows move
   as one more "layer" of the same batch (`tag_layer`), page index for page
-  index, so a row reaches decode exactly when its page's KV does.
+  index, so a row reaches decode exactly when its page's KV does. Each
+  transfer worker stamps and sends its own lane of rows (`SourceTags`):
+  requests sharing cached prefix pages send the same prefill pages.
 - Decode checks the pages in the request's page table before its first
   decode step (`refuse_untagged`) and forgets the epoch there or when the
   request is released before it (`release`). With tensor parallelism each
@@ -35,7 +37,7 @@ from . import metrics
 from .rank_agreement import any_rank
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
-from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, TagBuffer
+from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, SourceTags, TagBuffer
 from .page_tags_switch import TAGS_ENV, tags_on
 from .page_tags_cost import CostMeter
 
@@ -47,9 +49,18 @@ OTHER_RANK = ("sglang-hardened H8: request room={room}: its pages on another ten
 log = logging.getLogger("sglang_hardened")
 
 
-def make_tags(manager) -> TagBuffer | None:
+def send_lanes() -> int:
+    """Prefill's transfer worker threads: one per transfer queue, upstream's setting read where
+    upstream reads it (the managers make their queues after registering their buffers)."""
+    from sglang.srt.environ import envs
+
+    return envs.SGLANG_DISAGGREGATION_QUEUE_SIZE.get()
+
+
+def make_tags(manager) -> TagBuffer | SourceTags | None:
     """Both backends' managers: one tag row per KV page (a pool's pages are a layer's bytes over
-    one page's bytes), on the pool's device, set as `manager.hardened_tags`. None without a
+    one page's bytes; on prefill, one row per page per transfer worker), on the pool's device,
+    set as `manager.hardened_tags`. None without a
     full-token KV pool (nothing to tag: such transfers are refused on decode), or with H8 switched
     off (``TAGS_ENV``: a decode without tags checks nothing, a prefill without them stamps
     nothing, so a decode with tags refuses its transfers)."""
@@ -70,7 +81,8 @@ def make_tags(manager) -> TagBuffer | None:
         log.info("sglang-hardened H8: decode page tags on, %d pages on %s; fail closed: %s (%s)",
                  pages, device, manager.hardened_tags.fail_closed, FAIL_CLOSED_ENV)
     else:
-        manager.hardened_tags = buffer = TagBuffer(pages, device, CostMeter("prefill", closing_op="stamp", unit="send"))
+        manager.hardened_tags = buffer = SourceTags(pages, send_lanes(), device,
+                                                    CostMeter("prefill", closing_op="stamp", unit="send"))
     return buffer
 
 
@@ -131,22 +143,23 @@ def before_send(manager, kv_chunk, req, dst_indices):
     """Seam in the Mooncake transfer worker right before `send_kvcache` to one destination:
     stamp the pages about to be sent with that destination's (room, epoch). Returns the chunk
     and destination indices to send, as given (the patches assign them back)."""
-    buffer, epoch = getattr(manager, "hardened_tags", None), getattr(req, "hardened_h8", None)
-    if buffer is not None and epoch is not None:  # an info not built by `carried` is not stamped
-        buffer.stamp(kv_chunk.prefill_kv_indices, req.room, epoch)
-        if buffer.device.type == "cuda":  # the engine reads the rows without joining torch's stream
-            torch.cuda.current_stream(buffer.device).synchronize()
+    tags, epoch = getattr(manager, "hardened_tags", None), getattr(req, "hardened_h8", None)
+    if tags is not None and epoch is not None:  # an info not built by `carried` is not stamped
+        tags.lane().stamp(kv_chunk.prefill_kv_indices, req.room, epoch)
+        if tags.device.type == "cuda":  # the engine reads the rows without joining torch's stream
+            torch.cuda.current_stream(tags.device).synchronize()
     return kv_chunk, dst_indices
 
 
 def tag_layer(manager, session_id: str, src_data_ptrs) -> list[tuple[int, int, int]]:
-    """Seam in `_send_kvcache_generic` after the layer list is built: the tag rows as one more
-    (src, dst, item_len) layer when this is the KV pool's transfer and both ends have tags."""
-    buffer = getattr(manager, "hardened_tags", None)
+    """Seam in `_send_kvcache_generic` after the layer list is built: the calling worker's tag
+    rows as one more (src, dst, item_len) layer when this is the KV pool's transfer and both ends
+    have tags."""
+    tags = getattr(manager, "hardened_tags", None)
     dst_ptr = getattr(manager.decode_kv_args_table.get(session_id), "hardened_h8", None)
-    if buffer is None or dst_ptr is None or src_data_ptrs is not manager.kv_args.kv_data_ptrs:
+    if tags is None or dst_ptr is None or src_data_ptrs is not manager.kv_args.kv_data_ptrs:
         return []
-    src_ptr, _, item_len = buffer.buf_info()
+    src_ptr, _, item_len = tags.lane().buf_info()
     return [(src_ptr, dst_ptr, item_len)]
 
 

@@ -5,10 +5,17 @@ or real NIXL over UCX, DRAM, on 127.0.0.1).
     peer.py BACKEND prefill PLAN   read decode's line, stamp, move the tag rows, print the rc
 
 BACKEND is mooncake or nixl. PLAN (JSON): {"pages": N, "requests": [{"room", "dst", "src",
-"sent"}]}; "sent" lists the indices into dst/src that the transfer carries (the rest are lost).
-The decode side (allocate, check) is the same for both; only how the rows move differs. NIXL runs
-the runtime's own adapters (`page_tags_nixl.register`, `send_tags`) on a manager that holds just
-what they read.
+"sent"}], "race"}; "sent" lists the indices into dst/src that the transfer carries (the
+rest are lost). The decode side (allocate, check) is the same for both; only how the rows move
+differs. NIXL runs the runtime's own adapters (`page_tags_nixl.register`, `send_tags`) on a
+manager that holds just what they read.
+
+With "race", prefill sends two requests through the runtime's own seams
+(`page_tags_seams.register`, `before_send`, `tag_layer` for Mooncake;
+`page_tags_nixl.send_tags` for NIXL) so that the second stamp lands between the first one's
+stamp and its write: the interleavings two requests that share cached prefix pages can meet.
+"workers": from two threads, as two transfer workers serving two decode ranks do; "queued"
+(NIXL): from one worker, the first write still queued (`race_queued`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import types
 import uuid
 
@@ -76,23 +84,142 @@ class Chunk:
     prefill_kv_indices: list[int]
 
 
+def mooncake_manager(decode_side: dict):
+    """A Mooncake engine with the runtime's tag buffer registered by its own seam, as
+    `MooncakeKVManager` has it, and decode's tag rows as its one registered session."""
+    from mooncake.engine import TransferEngine
+
+    from sglang_hardened.runtime import page_tags_seams
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise SystemExit("mooncake: initialize failed")
+    kv_args = types.SimpleNamespace(kv_item_lens=[16], kv_data_lens=[16 * PLAN["pages"]], gpu_id=0,
+                                    kv_data_ptrs=[0])
+    manager = types.SimpleNamespace(kv_args=kv_args, raw=engine, disaggregation_mode=types.SimpleNamespace(value="prefill"),
+                                    engine=types.SimpleNamespace(batch_register=engine.batch_register_memory),
+                                    decode_kv_args_table={decode_side["session"]: types.SimpleNamespace(
+                                        hardened_h8=decode_side["ptr"])})
+    page_tags_seams.register(manager)
+    return manager
+
+
+def nixl_prefill(decode_side: dict):
+    """Prefill's NIXL manager with decode's agent added: (manager, decode's agent name)."""
+    manager = nixl_manager("prefill")
+    peer = manager.agent.add_remote_agent(base64.b64decode(decode_side["metadata"]))
+    manager.decode_kv_args_table[peer] = types.SimpleNamespace(hardened_h8=decode_side["ptr"], gpu_id=0)
+    return manager, peer
+
+
+def sends(decode_side: dict, session: str) -> list[tuple]:
+    """The seams' (chunk, req, decode pages) for each request of the plan."""
+    return [(Chunk([r["src"][j] for j in r["sent"]]),
+             types.SimpleNamespace(room=r["room"], agent_name=session, hardened_h8=decode_side["epochs"][str(r["room"])]),
+             [r["dst"][j] for j in r["sent"]]) for r in PLAN["requests"]]
+
+
+def wait_done(agent, handles: list) -> None:
+    """Until every posted NIXL write is DONE; one that fails fails the peer."""
+    while any((state := agent.check_xfer_state(h)) != "DONE" for h in handles):
+        assert state != "ERR"
+
+
+def race_workers(backend: str, decode_side: dict) -> None:
+    """Two transfer workers, one request each: the second stamps its pages after the first has
+    stamped and before the first one's write reads its rows."""
+    from sglang_hardened.runtime import page_tags_nixl, page_tags_seams
+
+    first_stamped, second_stamped = threading.Event(), threading.Event()
+    rcs: list[int] = []
+
+    def stamped() -> None:
+        """Between a worker's stamp and its write: the first waits for the second's stamp."""
+        if threading.current_thread().name == "first":
+            first_stamped.set()
+            second_stamped.wait(10)
+        else:
+            second_stamped.set()
+
+    if backend == "nixl":
+        manager, session = nixl_prefill(decode_side)
+        post = manager.agent.initialize_xfer
+
+        def initialize_xfer(*args):
+            stamped()
+            return post(*args)
+
+        manager.agent.initialize_xfer = initialize_xfer
+
+        def send(chunk, req, dst_pages) -> None:
+            page_tags_nixl.send_tags(manager, chunk, req, dst_pages)  # waits for its write (0.5.19-0.5.22)
+            rcs.append(0)
+    else:
+        manager, session = mooncake_manager(decode_side), decode_side["session"]
+
+        def send(chunk, req, dst_pages) -> None:
+            page_tags_seams.before_send(manager, chunk, req, dst_pages)
+            stamped()
+            (src_ptr, dst_ptr, item_len), = page_tags_seams.tag_layer(manager, session, manager.kv_args.kv_data_ptrs)
+            rcs.append(manager.raw.batch_transfer_sync_write(
+                session, [src_ptr + p * item_len for p in chunk.prefill_kv_indices],
+                [dst_ptr + p * item_len for p in dst_pages], [item_len] * len(dst_pages)))
+
+    first, second = (threading.Thread(target=send, args=args, name=name)
+                     for args, name in zip(sends(decode_side, session), ("first", "second")))
+    first.start()
+    first_stamped.wait(10)
+    second.start()
+    first.join()
+    second.join()
+    print(json.dumps({"rc": max(rcs, key=abs) if len(rcs) == 2 else "a sender raised"}), file=OUT, flush=True)
+
+
+def race_queued(decode_side: dict) -> None:
+    """One NIXL worker as on 0.5.23: each write joins its chunk's handles and nobody waits before
+    the next chunk is stamped. The first write stays queued until its state is first asked for
+    (the agent's post is deferred to then: a write behind others on a busy link)."""
+    from sglang_hardened.runtime import page_tags_nixl
+
+    manager, session = nixl_prefill(decode_side)
+    agent, queued = manager.agent, set()
+    post, state = agent.transfer, agent.check_xfer_state
+
+    def transfer(handle) -> str:
+        queued.add(handle)
+        return "PROC"
+
+    def check_xfer_state(handle) -> str:
+        if handle in queued:
+            queued.discard(handle)
+            post(handle)
+        return state(handle)
+
+    agent.transfer, agent.check_xfer_state = transfer, check_xfer_state
+    handles: list = []
+    for chunk, req, dst_pages in sends(decode_side, session):
+        page_tags_nixl.send_tags(manager, chunk, req, dst_pages, handles)
+    wait_done(agent, handles)
+    print(json.dumps({"rc": 0}), file=OUT, flush=True)
+
+
 def prefill(backend: str) -> None:
     decode_side = json.loads(sys.stdin.readline())
+    if PLAN.get("race") == "workers":
+        race_workers(backend, decode_side)
+        return
+    if PLAN.get("race") == "queued":
+        race_queued(decode_side)
+        return
     if backend == "nixl":
         from sglang_hardened.runtime import page_tags_nixl
 
-        manager = nixl_manager("prefill")
-        peer = manager.agent.add_remote_agent(base64.b64decode(decode_side["metadata"]))
-        manager.decode_kv_args_table[peer] = types.SimpleNamespace(hardened_h8=decode_side["ptr"], gpu_id=0)
+        manager, session = nixl_prefill(decode_side)
         handles: list = []
-        for i, r in enumerate(PLAN["requests"]):  # the first waited for (0.5.19-0.5.22), the rest joined
-            req = types.SimpleNamespace(room=r["room"], agent_name=peer,
-                                        hardened_h8=decode_side["epochs"][str(r["room"])])
-            chunk = Chunk([r["src"][j] for j in r["sent"]])
-            page_tags_nixl.send_tags(manager, chunk, req, [r["dst"][j] for j in r["sent"]],
-                                     handles if i else None)
-        while any((state := manager.agent.check_xfer_state(h)) != "DONE" for h in handles):
-            assert state != "ERR"
+        for i, (chunk, req, dst_pages) in enumerate(sends(decode_side, session)):
+            # the first waited for (0.5.19-0.5.22), the rest joined
+            page_tags_nixl.send_tags(manager, chunk, req, dst_pages, handles if i else None)
+        wait_done(manager.agent, handles)
         print(json.dumps({"rc": 0}), file=OUT, flush=True)
         return
     buffer = TagBuffer(PLAN["pages"])
@@ -108,6 +235,10 @@ def prefill(backend: str) -> None:
 
 
 if __name__ == "__main__":
+    from sglang_hardened.runtime import page_tags_seams
+
+    # upstream's transfer queue count (4), given here: reading it from sglang costs this peer 3 s
+    page_tags_seams.send_lanes = lambda: 4
     OUT = os.fdopen(os.dup(1), "w")  # the protocol's lines; the libraries' own chatter goes to stderr
     os.dup2(2, 1)
     PLAN = json.loads(sys.argv[3])
