@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from sglang_hardened.sandbox.cluster import ClusterParams, child_env, parallel_flags, rank_cores
+from sglang_hardened.sandbox.cluster import (DP_LM_HEAD_ON_CPU, ClusterParams, child_env, cpu_flags, parallel_flags,
+                                             rank_cores)
 from sglang_hardened.sandbox.env import SandboxEnv, SandboxError
 
 
@@ -35,6 +36,9 @@ def test_more_ranks_than_cores_share_them_round_robin():
 def test_dp_attention_splits_the_tp_ranks():
     p = ClusterParams(base="0.5.23", tp=2, dp=2)
     assert parallel_flags(p, "decode") == ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
+    # the all-to-all LM head has no CPU kernel: upstream's opt-out with DP attention, only there
+    assert DP_LM_HEAD_ON_CPU[0] in cpu_flags(p, "decode")
+    assert DP_LM_HEAD_ON_CPU[0] not in cpu_flags(ClusterParams(base="0.5.23", tp=2), "decode")
 
 
 @pytest.mark.parametrize("layout", [dict(tp=0), dict(decode_tp=0), dict(tp=2, decode_tp=3, dp=2), dict(tp=3, dp=2)])

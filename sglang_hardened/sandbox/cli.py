@@ -12,7 +12,7 @@ from ..common.paths import cache_dir
 from ..runtime.release_timeout import release_timeout_s
 from .cluster import BACKENDS, LBS, Cluster, ClusterParams, marked_pids, start
 from .env import SandboxError, build_env, default_overlay, wheels_for
-from .model import ensure_model
+from .model import VARIANTS, default_variant, ensure_model
 from .soak.plan import DEFAULT_MIX, DEFAULT_RATES, FAULTS, SoakPlan
 
 
@@ -66,11 +66,13 @@ def sandbox() -> None:
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks per role (gloo on CPU).")
 @click.option("--decode-tp", type=int, default=None, help="Decode's own TP size (default: --tp): mismatched TP.")
 @click.option("--dp", type=int, default=1, show_default=True, help="DP-attention groups per role, inside its TP ranks "
-              "(on CPU, 0.5.23 warms up, then prefill stops answering its health check: docs/fault-matrix.md).")
+              "(the model is then qwen3 unless --model says otherwise).")
+@click.option("--model", "model", type=click.Choice(sorted(VARIANTS)), default=None,
+              help="Tiny model variant [default: tiny; qwen3 with --dp: upstream's Llama cannot run DP attention].")
 def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, lb: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
-       overlay: Path | None, instrument: bool, tp: int, decode_tp: int | None, dp: int) -> None:
+       overlay: Path | None, instrument: bool, tp: int, decode_tp: int | None, dp: int, model: str | None) -> None:
     """Build the environment if needed and start a cluster.
 
     \b
@@ -79,6 +81,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
       sglang-hardened sandbox up --base 0.5.23 --hardened --instrument --prefill-pool-tokens 1024 \
         --decode-pool-tokens 2600 --env SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=8
       sglang-hardened sandbox up --base 0.5.23 --hardened --tp 2 --decode-tp 1
+      sglang-hardened sandbox up --base 0.5.23 --hardened --tp 2 --dp 2 --prefill-pool-tokens 2048
     """
     try:
         old = _load(name)
@@ -95,7 +98,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
             raise SandboxError("--via-launch needs --hardened: `launch` comes with the hardened build's tool wheel")
         wheels = [wheel] if wheel else wheels_for(base, hardened=not upstream)
         env = build_env(base, wheels, overlay or default_overlay())
-        cluster = start(env, params, ensure_model(env))
+        cluster = start(env, params, ensure_model(env, model or default_variant(dp)))
     except SandboxError as e:
         raise click.ClickException(str(e)) from e
     _save(name, cluster)

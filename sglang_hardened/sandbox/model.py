@@ -1,9 +1,16 @@
-"""Tiny random-weight Llama and byte-level BPE tokenizer, generated locally.
+"""Tiny random-weight models and a byte-level BPE tokenizer, generated locally.
 
 There is no model hub here, and the harness only needs a model whose greedy
 output is a deterministic function of the KV it reads; a seeded random model
 is exactly that and costs a few MB. Runs inside a sandbox environment (needs
-torch, transformers, tokenizers): ``python -m sglang_hardened.sandbox.model DIR``.
+torch, transformers, tokenizers): ``python -m sglang_hardened.sandbox.model DIR [VARIANT]``.
+
+Variants: ``tiny`` (Llama, what every test runs), ``deep`` (Llama, many thin
+layers: transfers of many entries), ``qwen3`` (the tiny sizes as Qwen3, for DP
+attention: upstream's Llama is not written for it: its embedding and attention
+heads are split over the whole TP group, not the attention-TP group, so an idle
+DP rank skips a collective the busy one runs and prefill stops; Qwen3's are
+split over attention TP, as DP attention needs).
 """
 
 from __future__ import annotations
@@ -39,8 +46,16 @@ CONFIG = dict(
 # pages), more than one Mooncake TCP call accepts (~2,050), at about the tiny model's cost per token.
 DEEP = dict(num_hidden_layers=1600, hidden_size=32, intermediate_size=64, num_attention_heads=2,
             num_key_value_heads=1)
-VARIANTS = {"tiny": {}, "deep": DEEP}
+# variant: (architecture, its sizes over CONFIG); Qwen3 sets its head size apart from the hidden size
+VARIANTS = {"tiny": ("llama", {}), "deep": ("llama", DEEP),
+            "qwen3": ("qwen3", {"head_dim": CONFIG["hidden_size"] // CONFIG["num_attention_heads"]})}
 SPECIAL = ["<unk>", "<s>", "</s>"]
+
+
+def default_variant(dp: int) -> str:
+    """The variant a cluster runs unless told: upstream's Llama cannot run DP attention (it
+    reduces its embedding and splits its heads over the whole TP group), its Qwen3 can."""
+    return "qwen3" if dp > 1 else "tiny"
 
 
 def _corpus() -> list[str]:
@@ -57,7 +72,8 @@ def build(out: Path, variant: str = "tiny") -> None:
     """Write config, weights and tokenizer of ``variant`` into ``out`` (overwrites)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    import transformers
+    from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -74,8 +90,11 @@ def build(out: Path, variant: str = "tiny") -> None:
     ).save_pretrained(out)
 
     torch.manual_seed(SEED)
-    config = {**CONFIG, **VARIANTS[variant]}
-    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
+    architecture, sizes = VARIANTS[variant]
+    config = {**CONFIG, **sizes}
+    name = {"llama": "Llama", "qwen3": "Qwen3"}[architecture]
+    model_class = getattr(transformers, f"{name}ForCausalLM")
+    model = model_class(getattr(transformers, f"{name}Config")(**config)).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     (out / "sandbox-model.json").write_text(json.dumps({"seed": SEED, **config}, sort_keys=True))
 
@@ -86,7 +105,8 @@ def ensure_model(env: SandboxEnv, variant: str = "tiny") -> Path:
     from .env import PINS, SandboxError
 
     key = hashlib.sha256(Path(__file__).read_bytes() + (PINS / f"{env.base}.txt").read_bytes()).hexdigest()[:16]
-    prefix = "tiny-llama" if variant == "tiny" else f"{variant}-llama"
+    architecture = VARIANTS[variant][0]
+    prefix = f"tiny-{architecture}" if variant in ("tiny", architecture) else f"{variant}-{architecture}"
     dest = cache_dir() / "models" / f"{prefix}-{env.base}-{key}"
     if (dest / "sandbox-model.json").is_file():
         return dest

@@ -28,6 +28,7 @@ from packaging.version import Version
 from sglang_hardened.operations.oracle import generate
 from sglang_hardened.runtime.source_hold import HOLD_TIMEOUTS
 from sglang_hardened.sandbox.cluster import Cluster
+from sglang_hardened.sandbox.model import default_variant
 from sglang_hardened.sandbox.env import SandboxEnv
 from sglang_hardened.sandbox.instruments import SLOW_S, Instruments
 from sglang_hardened.sandbox.ledger import Ledger, wait_for
@@ -69,6 +70,11 @@ class Build:
     between_hosts: bool = False
     tp: int = 1  # prefill's tensor-parallel ranks (test_multi_rank.py)
     decode_tp: int = 1
+    dp: int = 1  # DP-attention groups on both roles, inside the TP ranks
+
+    @property
+    def model(self) -> str:
+        return default_variant(self.dp)
 
     @property
     def flavour(self) -> str:
@@ -81,7 +87,8 @@ class Build:
 
     @property
     def ranks(self) -> str:
-        return "" if self.tp == self.decode_tp == 1 else f"tp{self.tp}x{self.decode_tp}"
+        dp = f"dp{self.dp}" if self.dp > 1 else ""
+        return "" if self.tp == self.decode_tp == 1 else f"tp{self.tp}x{self.decode_tp}{dp}"
 
     @property
     def id(self) -> str:
@@ -195,7 +202,7 @@ def start_fault_cluster(build: Build, folder: Path, params: dict, extra_env: tup
     """A cluster of ``build`` with ``params``, its instruments in ``folder``; the caller stops it."""
     env = sandbox_env(build.base, hardened=build.hardened)
     instruments = Instruments(folder).prepare()
-    cluster = launch(env, backend=build.backend, **params, tp=build.tp, decode_tp=build.decode_tp,
+    cluster = launch(env, build.model, backend=build.backend, **params, tp=build.tp, decode_tp=build.decode_tp, dp=build.dp,
                      extra_flags=METRICS_FLAGS, extra_env=(
                          *instruments.env(), *HEARTBEAT, *extra_env,
                          f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",

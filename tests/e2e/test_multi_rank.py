@@ -9,6 +9,12 @@ process: decode's ranks allocate in step, so a page number is the same page on e
 Unequal sizes on MHA move KV by head slices (upstream's ``send_kvcache_slice``), which carry no
 page tags: a hardened decode refuses every such transfer and says why; the injected faults
 wrap the whole-page sender only, so they run on equal sizes.
+
+DP attention (TP 2 split into two DP groups on both roles; the full matrix only) runs the sandbox's
+Qwen3 (upstream's Llama splits its embedding and heads over the whole TP group, which DP attention
+cannot run): each request lives on one DP rank, whose pages the other rank never sees, so the
+one-rank faults there are the single-rank matrix's; here, the incident, the truncation and the
+differential oracle.
 """
 
 from __future__ import annotations
@@ -41,8 +47,10 @@ CI_RANKS = [("0.5.23", "mooncake", 2, 2), ("0.5.19", "mooncake", 2, 1)]
 RANK_BUILDS = [Build(base, backend, hardened, tp=tp, decode_tp=dtp)
                for base in ("0.5.19", "0.5.23") for backend in ("mooncake", "nixl") for tp, dtp in RANKS
                for hardened in (False, True)
-               if (FULL_MATRIX or (base, backend, tp, dtp) in CI_RANKS) and (backend == "mooncake" or tp == dtp)]
-EQUAL = [b for b in RANK_BUILDS if not b.sliced]
+               if (FULL_MATRIX or (base, backend, tp, dtp) in CI_RANKS) and (backend == "mooncake" or tp == dtp)] + \
+    [Build(base, backend, hardened, tp=2, decode_tp=2, dp=2) for base in ("0.5.19", "0.5.23")
+     for backend in ("mooncake", "nixl") for hardened in (False, True) if FULL_MATRIX]
+EQUAL = [b for b in RANK_BUILDS if not b.sliced and b.dp == 1]
 H8_REFUSED = "sglang-hardened H8"
 UNEQUAL_TP = "prefill runs attention TP"
 FAULT_PROBE = prompt_of(17)  # over the faults' 16-page floor; one page moves the tiny model's output
@@ -74,8 +82,8 @@ def test_truncation_with_unequal_limits_across_ranks(start_cluster, build):
     """Prefill truncates the prompt to its limit and decode keeps it whole: hardened refuses it
     on every rank with nothing decoded (H3, or between unequal TP sizes H8's refusal of the
     untagged head slices), and serves the control where the sizes match."""
-    cluster = start_cluster(sandbox_env(build.base, hardened=True), backend=build.backend, **TRUNC_PARAMS,
-                            tp=build.tp, decode_tp=build.decode_tp, probe_transfer=not build.sliced, **DEPTH)
+    cluster = start_cluster(sandbox_env(build.base, hardened=True), build.model, backend=build.backend, **TRUNC_PARAMS,
+                            tp=build.tp, decode_tp=build.decode_tp, dp=build.dp, probe_transfer=not build.sliced, **DEPTH)
     idle = cluster.used_tokens()
     with phase(f"scenario truncation {build.id}"):
         v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "control": FITTING_C})
