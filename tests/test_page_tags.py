@@ -223,6 +223,22 @@ def test_mismatch_message_names_room_and_page_count(caplog, path):
 
 
 @both_paths
+def test_a_page_with_one_head_slot_unwritten_is_refused(path):
+    """Between unequal TP sizes each prefill rank writes only its heads' slots of a decode page: a
+    page is its request's only when every head's slot carries the tag, however many pages."""
+    tags = DecodePageTags(8, fail_closed=False, path=path, heads=2)
+    prefill = TagBuffer(8, path=path, heads=2)
+    epoch = tags.allocate(42, [0, 1, 2])
+    prefill.stamp([0, 1, 2], 42, epoch)  # every slot of its rows
+    tags.buffer.rows[[0, 1, 2], :2] = prefill.rows[[0, 1, 2], :2]  # head 0's slots, from rank 0
+    tags.buffer.rows[[0, 1], 2:] = prefill.rows[[0, 1], 2:]  # head 1's, from rank 1: page 2 lost
+    assert f"room=42 epoch={epoch}: 1 of its 3 pages" in tags.check(42, [0, 1, 2])
+    tags.buffer.rows[2, 2:] = prefill.rows[2, 2:]
+    assert tags.check(42, [0, 1, 2]) is None
+    assert tags.buffer.buf_info()[2] == 2 * 16  # a page's row: every head's slot
+
+
+@both_paths
 @pytest.mark.parametrize("page", [-1, 8])
 def test_a_page_index_outside_the_pool_raises_on_either_path(path, page):
     """No path may read another page's row for an index outside the pool. Writes: numpy would

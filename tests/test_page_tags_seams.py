@@ -42,13 +42,21 @@ def aborted(monkeypatch) -> list[str]:
 
 
 def test_frames_round_trip_and_upstream_parses_the_rest():
-    manager = SimpleNamespace(hardened_tags=DecodePageTags(8))
+    manager = SimpleNamespace(hardened_tags=DecodePageTags(8, heads=2))
     manager.hardened_tags.expected[ROOM] = 3
     msg = [b"a", b"b"] + seams.epoch_frame(manager, ROOM)
     info = seams.carried(lambda rest: SimpleNamespace(frames=rest), msg)
     assert info.frames == [b"a", b"b"] and info.hardened_h8 == 3
-    ptr = struct.unpack("<q", seams.tags_frame(manager)[0][len(seams.FRAME_MAGIC):])[0]
-    assert ptr == manager.hardened_tags.buffer.rows.data_ptr()
+    rows = seams.carried(lambda rest: SimpleNamespace(frames=rest), [b"a"] + seams.tags_frame(manager))
+    assert rows.frames == [b"a"]
+    assert (rows.hardened_h8, rows.hardened_h8_row) == (manager.hardened_tags.buffer.rows.data_ptr(), 32)
+
+
+def test_a_malformed_frame_is_dropped_and_named(caplog):
+    for frame in (seams.FRAME_MAGIC + b"\x01\x02", seams.ROWS_MAGIC + struct.pack("<q", 5)):
+        info = seams.carried(lambda rest: SimpleNamespace(frames=rest), [b"a", frame])
+        assert info.frames == [b"a"] and info.hardened_h8 is None
+    assert caplog.text.count("malformed") == 2
 
 
 def test_unhardened_peers_send_and_get_no_frame():
@@ -65,6 +73,18 @@ def test_tag_layer_only_for_the_kv_pool_and_a_hardened_decode():
     assert seams.tag_layer(manager, "s", kv_ptrs) == [(src, 99, item)]
     assert seams.tag_layer(manager, "s", [1, 2]) == []  # a state buffer's transfer
     assert seams.tag_layer(manager, "old", kv_ptrs) == []
+
+
+def test_rows_of_another_size_get_no_tags_and_one_error(caplog):
+    """A decode from before rows had a slot per KV head sent a bare address (one-slot rows): a
+    prefill with two-head rows writes nothing into it (it refuses instead), and says why once."""
+    old = SimpleNamespace(hardened_h8=99)  # as `carried` leaves a bare address frame: no row size
+    manager = SimpleNamespace(hardened_tags=SourceTags(8, lanes=1, heads=2), kv_args=SimpleNamespace(kv_data_ptrs=[1]),
+                              decode_kv_args_table={"old": old, "new": SimpleNamespace(hardened_h8=99, hardened_h8_row=32)})
+    assert seams.tag_layer(manager, "old", manager.kv_args.kv_data_ptrs) == []
+    assert seams.tag_layer(manager, "old", manager.kv_args.kv_data_ptrs) == []
+    assert caplog.text.count("keeps 16-byte tag rows and this prefill sends 32-byte ones") == 1
+    assert seams.tag_layer(manager, "new", manager.kv_args.kv_data_ptrs)[0][1:] == (99, 32)
 
 
 def test_before_send_stamps_the_chunk_and_sends_it_whole():
@@ -120,13 +140,44 @@ def test_fail_closed_refuses_clean_requests_after_a_mismatch(aborted):
     assert seams.refuse_untagged(queue, clean) and "stopped admitting" in aborted[1]
 
 
-@pytest.mark.parametrize("prefill_tp,mla,named", [(2, False, True), (1, False, False), (2, True, False)])
-def test_a_refusal_between_unequal_tp_sizes_names_them(aborted, prefill_tp, mla, named):
-    """Upstream's head-sliced sender (MHA between unequal TP sizes) carries no tags: the refusal
-    says so, where an operator can act on it; MLA and equal sizes move whole pages, tagged."""
-    dreq = decode_req(DecodePageTags(16), 10)
+@pytest.mark.parametrize("backend,prefill_tp,mla,named", [("nixl", 2, False, True), ("mooncake", 2, False, False),
+                                                          ("nixl", 1, False, False), ("nixl", 2, True, False)])
+def test_a_refusal_between_unequal_tp_sizes_over_nixl_names_them(aborted, backend, prefill_tp, mla, named):
+    """NIXL's head-sliced sender (MHA between unequal TP sizes) carries no tags: the refusal says
+    so, where an operator can act on it; Mooncake's slices carry their heads' tag slots, and MLA
+    and equal sizes move whole pages, tagged, so their refusals are a page's, not the pair's."""
+    dreq = decode_req(tags := DecodePageTags(16), 10)
+    manager_class = type("KVManager", (), {"__module__": f"sglang.srt.disaggregation.{backend}.conn"})
+    dreq.kv_receiver.kv_mgr = manager = manager_class()
+    manager.hardened_tags, manager.attn_tp_size, manager.is_mla_backend = tags, 1, mla
     dreq.kv_receiver.prefill_info = SimpleNamespace(attn_tp_size=prefill_tp)
-    dreq.kv_receiver.kv_mgr.attn_tp_size, dreq.kv_receiver.kv_mgr.is_mla_backend = 1, mla
     seams.allocate(dreq, [2, 3, 4])
     assert seams.refuse_untagged(transfer_queue(torch.arange(8, 24).unsqueeze(0).clone()), dreq)
     assert ("prefill runs attention TP 2, this decode 1" in aborted[0]) == named, aborted
+
+
+def test_a_head_slice_moves_its_heads_slots_to_the_decode_rows():
+    """Mooncake's head-sliced sender: the slots of the heads a rank writes, from its lane's rows
+    to the same heads' slots of decode's rows (decode's row: one slot per decode head)."""
+    calls = []
+    engine = SimpleNamespace(batch_transfer_sync=lambda *call: calls.append(call) or 0)
+    tags = SourceTags(8, lanes=1, heads=2)
+    manager = SimpleNamespace(hardened_tags=tags, engine=engine,
+                              decode_kv_args_table={"s": SimpleNamespace(hardened_h8=10_000, hardened_h8_row=64)})
+    executor = SimpleNamespace(submit=lambda fn, *args: SimpleNamespace(result=lambda: fn(*args)))
+    futures = seams.slice_tags(manager, executor, "s", [1, 5], [3, 0], src_head=1, dst_head=2, heads=1, dst_heads=4)
+    assert [f.result() for f in futures] == [0]
+    base = tags.lane().buf_info()[0]
+    assert calls == [("s", [base + 1 * 32 + 16, base + 5 * 32 + 16], [10_000 + 3 * 64 + 32, 10_000 + 32], [16, 16])]
+    unregistered = SimpleNamespace(hardened_tags=tags, engine=engine, decode_kv_args_table={})
+    assert seams.slice_tags(unregistered, executor, "s", [1], [3], 0, 0, 1, 1) == []  # an unhardened decode
+    # heads past either row, or a decode whose rows are not `dst_heads` slots: nothing is written
+    for bad in ((0, 3, 2, 4), (1, 0, 2, 4), (0, 0, 1, 2)):
+        assert seams.slice_tags(manager, executor, "s", [1], [3], *bad) == []
+    assert len(calls) == 1
+
+
+def test_a_rank_has_a_tag_slot_per_kv_head():
+    args = SimpleNamespace(kv_head_num=4)
+    assert seams.kv_heads(SimpleNamespace(is_mla_backend=False, kv_args=args)) == 4
+    assert seams.kv_heads(SimpleNamespace(is_mla_backend=True, kv_args=args)) == 1

@@ -72,3 +72,25 @@ def test_h8_false_refusal_under_a_shared_prefix(backend, race):
     assert result["verdicts"] == [None, None], result["verdicts"]
     for room in (ROOM_A, ROOM_B):
         assert result["rows"][str(room)] == [[room, epochs[str(room)]]] * 4
+
+
+# Prefill TP 2 to decode TP 1 on a model with two KV heads: each prefill rank writes one head's slice
+# of every page (upstream's head-sliced sender) and its slot of decode's row. The second request's
+# last page lost rank 1's slice only: rank 0's slot vouches for it, rank 1's does not.
+SLICED = {"pages": 16, "heads": 2, "requests": [
+    {"room": ROOM_A, "dst": [3, 4, 5], "src": [0, 1, 2], "sent": [[0, 1, 2], [0, 1, 2]]},
+    {"room": ROOM_B, "dst": [9, 12], "src": [6, 7], "sent": [[0, 1], [0]]},
+]}
+
+
+def test_head_sliced_transfers_vouch_for_each_rank_s_slice():
+    """#26: between unequal TP sizes every prefill rank's head slice carries its own tag slot, so a
+    page is admitted when all its slices landed and refused when one rank's did not (before, every
+    such transfer was refused: the slices carried no tags)."""
+    where, result = exchange("mooncake", SLICED)
+    epochs = {int(room): epoch for room, epoch in where["epochs"].items()}
+    ok, lost = result["verdicts"]
+    assert ok is None, ok
+    assert f"room={ROOM_B} epoch={epochs[ROOM_B]}: 1 of its 2 pages" in lost
+    assert result["rows"][str(ROOM_A)] == [[ROOM_A, epochs[ROOM_A]] * 2] * 3
+    assert result["rows"][str(ROOM_B)] == [[ROOM_B, epochs[ROOM_B]] * 2, [ROOM_B, epochs[ROOM_B], -1, -1]]

@@ -1,7 +1,9 @@
 """H8: every KV page decode reads must carry the tag of the request reading it.
 
 Each side keeps a small tag buffer beside its KV pool: one row per page, two
-int64 words (bootstrap room, epoch). Decode picks a fresh epoch every time it
+int64 words (bootstrap room, epoch) per KV head of the rank (one slot per head:
+between unequal TP sizes each prefill rank writes only its heads' slice of a
+decode page, and stamps only those heads' slots). Decode picks a fresh epoch every time it
 allocates pages for a request and sends it to prefill with the page indices.
 Prefill writes (room, epoch) into its own rows for the pages it sends, and the
 transfer engine moves those rows like one more KV "layer" (item = one row), so
@@ -53,7 +55,7 @@ class TorchRows:
     def __init__(self, rows: torch.Tensor) -> None:
         self.rows = rows
         # Made once, not per call: slicing the (room, epoch) columns per stamp would cost an op each.
-        self._rooms, self._epochs = rows.unbind(1)
+        self._rooms, self._epochs = rows[:, 0::TAG_WORDS], rows[:, 1::TAG_WORDS]
 
     def index(self, pages: Pages) -> torch.Tensor:
         """Page indices as an int64 tensor on the rows' device (no copy if already one):
@@ -80,10 +82,10 @@ class TorchRows:
         self.rows.index_fill_(0, idx, UNSTAMPED)
 
     def bad_pages(self, idx: torch.Tensor, room: int, epoch: int) -> int:
-        """Pages among `idx` whose row is not (room, epoch): 0 in one gather, one compare and
-        one sync; only a refusal pays for counting."""
+        """Pages among `idx` with a slot that is not (room, epoch): 0 in one gather, one compare
+        and one sync; only a refusal pays for counting."""
         got = self.rows.index_select(0, idx)
-        expect = torch.tensor([room, epoch], device=self.rows.device)
+        expect = torch.tensor([room, epoch] * (self.rows.shape[1] // TAG_WORDS), device=self.rows.device)
         if torch.equal(got, expect.expand_as(got)):
             return 0
         return int(got.ne(expect).any(dim=1).sum())
@@ -110,18 +112,18 @@ class NumpyRows:
     def fill(self, idx: np.ndarray, room: int, epoch: int) -> None:
         """Stamp the rows. Two scalar column writes: in the servers they cost less than one
         16-byte item per row (np.put on a void view), faster only with warm caches."""
-        self._view[idx, 0] = room
-        self._view[idx, 1] = epoch
+        self._view[idx, 0::TAG_WORDS] = room
+        self._view[idx, 1::TAG_WORDS] = epoch
 
     def clear(self, idx: np.ndarray) -> None:
         """Reset the rows to UNSTAMPED."""
         self._view[idx] = UNSTAMPED
 
     def bad_pages(self, idx: np.ndarray, room: int, epoch: int) -> int:
-        """Pages among `idx` whose row is not (room, epoch): a gather and one compare; only a
-        refusal pays for counting."""
+        """Pages among `idx` with a slot that is not (room, epoch): a gather and one compare;
+        only a refusal pays for counting."""
         got = np.take(self._view, idx, axis=0)
-        expect = np.array([room, epoch], dtype=np.int64)
+        expect = np.array([room, epoch] * (self._view.shape[1] // TAG_WORDS), dtype=np.int64)
         if (got == expect).all():
             return 0
         return int(np.count_nonzero((got != expect).any(axis=1)))
@@ -139,15 +141,17 @@ def row_path(device: torch.device, path: str | None) -> str:
 
 
 class TagBuffer:
-    """One pool's tag rows: an (pages, 2) int64 tensor on the pool's device.
+    """One pool's tag rows: a (pages, 2 x heads) int64 tensor on the pool's device, a
+    (room, epoch) slot per KV head of the rank.
 
     Registered with the transfer engine as one more buffer; `buf_info` has the
     (ptr, nbytes, item_len) triple that SGLang's KV registration takes.
     """
 
     def __init__(self, num_pages: int, device: torch.device | str = "cpu", cost: CostMeter | None = None,
-                 path: str | None = None) -> None:
-        self._adopt(torch.full((num_pages, TAG_WORDS), UNSTAMPED, dtype=torch.int64, device=device), cost, path)
+                 path: str | None = None, heads: int = 1) -> None:
+        self._adopt(torch.full((num_pages, TAG_WORDS * heads), UNSTAMPED, dtype=torch.int64, device=device),
+                    cost, path)
 
     @classmethod
     def over(cls, rows: torch.Tensor, cost: CostMeter | None = None, path: str | None = None) -> TagBuffer:
@@ -164,11 +168,12 @@ class TagBuffer:
         self.ops = ROW_PATHS[self.path](self.rows)
 
     def buf_info(self) -> tuple[int, int, int]:
-        """(data_ptr, nbytes, item_len): item_len is one page's row, as KV item_len is one page."""
+        """(data_ptr, nbytes, item_len): item_len is one page's row (every head's slot), as KV
+        item_len is one page."""
         return self.rows.data_ptr(), self.rows.nbytes, self.rows[0].nbytes
 
     def stamp(self, pages: Pages, room: int, epoch: int) -> None:
-        """Prefill: write (room, epoch) into the rows of the pages about to be sent."""
+        """Prefill: write (room, epoch) into every slot of the rows of the pages about to be sent."""
         start = self.cost.start() if self.cost is not None else None
         idx = self.ops.index(pages)
         self.ops.fill(idx, room, epoch)
@@ -196,10 +201,10 @@ class SourceTags:
     """
 
     def __init__(self, num_pages: int, lanes: int, device: torch.device | str = "cpu",
-                 cost: CostMeter | None = None, path: str | None = None) -> None:
+                 cost: CostMeter | None = None, path: str | None = None, heads: int = 1) -> None:
         if lanes < 1:
             raise ValueError(f"sglang-hardened H8: prefill needs at least one tag lane, not {lanes}")
-        self.rows = torch.full((lanes, num_pages, TAG_WORDS), UNSTAMPED, dtype=torch.int64, device=device)
+        self.rows = torch.full((lanes, num_pages, TAG_WORDS * heads), UNSTAMPED, dtype=torch.int64, device=device)
         self.device: torch.device = self.rows.device
         self.lanes = [TagBuffer.over(rows, cost, path) for rows in self.rows.unbind(0)]
         self._by_thread: dict[int, TagBuffer] = {}
@@ -241,8 +246,8 @@ class DecodePageTags:
     """
 
     def __init__(self, num_pages: int, device: torch.device | str = "cpu",
-                 fail_closed: bool | None = None, path: str | None = None) -> None:
-        self.buffer = TagBuffer(num_pages, device, path=path)
+                 fail_closed: bool | None = None, path: str | None = None, heads: int = 1) -> None:
+        self.buffer = TagBuffer(num_pages, device, path=path, heads=heads)
         self._ops = self.buffer.ops
         self.fail_closed = os.environ.get(FAIL_CLOSED_ENV) == "1" if fail_closed is None else fail_closed
         self.expected: dict[int, int] = {}

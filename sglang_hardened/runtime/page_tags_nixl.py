@@ -37,7 +37,7 @@ import numpy as np
 
 from . import nixl_drain
 from .page_tags import SourceTags, TagBuffer
-from .page_tags_seams import before_send, carried, epoch_frame, make_tags, tags_frame
+from .page_tags_seams import before_send, carried, decode_rows, epoch_frame, make_tags, tags_frame
 
 __all__ = ["carried", "epoch_frame", "register", "send_tags", "tags_frame"]
 
@@ -115,14 +115,16 @@ def send_tags(manager, kv_chunk, req, dst_indices, handles: list[Any] | None = N
     indices to send."""
     src_indices = kv_chunk.prefill_kv_indices
     tags, epoch = getattr(manager, "hardened_tags", None), getattr(req, "hardened_h8", None)
-    dst_info = manager.decode_kv_args_table.get(req.agent_name)
-    dst_ptr = getattr(dst_info, "hardened_h8", None)
-    if tags is None or epoch is None or dst_ptr is None or len(src_indices) == 0:
+    if tags is None or epoch is None or len(src_indices) == 0:
         return src_indices, dst_indices  # no tags either side: decode refuses what it cannot check
     lane, stamp = tags.lane(), (req.room, epoch)
+    src_ptr, _, item_len = lane.buf_info()
+    dst_ptr = decode_rows(manager, req.agent_name, item_len)
+    if dst_ptr is None:
+        return src_indices, dst_indices
     _settle_lane(manager, lane, stamp)
     before_send(manager, kv_chunk, req, dst_indices)
-    src_ptr, _, item_len = lane.buf_info()
+    dst_info = manager.decode_kv_args_table[req.agent_name]
     src_kind, src_dev = _mem(lane, manager.kv_args.gpu_id)
     dst_dev = dst_info.gpu_id if src_kind == "VRAM" else 0
     n = min(len(src_indices), len(dst_indices))

@@ -5,8 +5,9 @@ Where the tags live and travel:
   they register their buffers (`register`), and register it with the engine.
 - Decode picks an epoch for the request just before it sends prefill the
   page indices (`allocate`), and sends the epoch, and once per session its
-  tag buffer's address, as one extra trailing ZMQ frame (`epoch_frame`,
-  `tags_frame`). A frame is tagged by a magic prefix and stripped before
+  tag buffer's address and a row's size (so prefill writes nothing into rows
+  of another shape: `decode_rows`), as one extra trailing ZMQ frame
+  (`epoch_frame`, `tags_frame`). A frame is tagged by a magic prefix and stripped before
   upstream parses the message (`carried`), so an unhardened prefill, which
   never reads frames past its own, just ignores it: it sends no tags and a
   hardened decode refuses every request (no stamp means failure).
@@ -16,6 +17,11 @@ Where the tags live and travel:
   index, so a row reaches decode exactly when its page's KV does. Each
   transfer worker stamps and sends its own lane of rows (`SourceTags`):
   requests sharing cached prefix pages send the same prefill pages.
+- A row holds a (room, epoch) slot per KV head of the rank (`kv_heads`).
+  Between unequal TP sizes (MHA) upstream's sender writes each rank's head
+  slice of a page on its own, and the slots of those heads go with it
+  (`slice_tags`): a decode page is vouched for only when every prefill rank
+  that writes part of it wrote its part.
 - Decode checks the pages in the request's page table before its first
   decode step (`refuse_untagged`) and forgets the epoch there or when the
   request is released before it (`release`). With tensor parallelism each
@@ -31,17 +37,20 @@ from __future__ import annotations
 import logging
 import struct
 
+import numpy as np
 import torch
 
 from . import metrics
 from .rank_agreement import any_rank
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
-from .page_tags import FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch, SourceTags, TagBuffer
+from .page_tags import FAIL_CLOSED_ENV, TAG_WORDS, DecodePageTags, PageTagMismatch, SourceTags, TagBuffer
 from .page_tags_switch import TAGS_ENV, tags_on
 from .page_tags_cost import CostMeter
 
-FRAME_MAGIC = b"sglang-hardened-H8:"
+FRAME_MAGIC = b"sglang-hardened-H8:"  # one int64: an epoch (or an address, from a decode of one-slot rows)
+ROWS_MAGIC = b"sglang-hardened-H8-rows:"  # two int64s: decode's tag rows' address and a row's bytes
+ONE_SLOT_ROW = TAG_WORDS * 8  # a row's bytes on a decode from before rows had a slot per KV head
 OTHER_RANK = ("sglang-hardened H8: request room={room}: its pages on another tensor-parallel rank of this "
               "decode do not carry its tag (that rank's transfer did not write them all); every rank "
               "aborts it, so the ranks stay in step")
@@ -57,10 +66,26 @@ def send_lanes() -> int:
     return envs.SGLANG_DISAGGREGATION_QUEUE_SIZE.get()
 
 
+def kv_heads(manager) -> int:
+    """The rank's KV heads, one tag slot each: what upstream's pool holds per rank
+    (`get_num_kv_heads` of the attention TP size), and the `dst_heads_per_rank` its head-sliced
+    sender writes into; one for MLA, whose one latent head every rank holds whole. Decode's
+    arguments carry no head count (only prefill's and a staging decode's do), so decode reads
+    the model's config as its pool did."""
+    if manager.is_mla_backend:
+        return 1
+    heads = getattr(manager.kv_args, "kv_head_num", 0)
+    if heads:
+        return heads
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig.from_server_args(manager.server_args).get_num_kv_heads(manager.attn_tp_size)
+
+
 def make_tags(manager) -> TagBuffer | SourceTags | None:
     """Both backends' managers: one tag row per KV page (a pool's pages are a layer's bytes over
-    one page's bytes; on prefill, one row per page per transfer worker), on the pool's device,
-    set as `manager.hardened_tags`. None without a
+    one page's bytes; on prefill, one row per page per transfer worker), a slot per KV head of
+    the rank, on the pool's device, set as `manager.hardened_tags`. None without a
     full-token KV pool (nothing to tag: such transfers are refused on decode), or with H8 switched
     off (``TAGS_ENV``: a decode without tags checks nothing, a prefill without them stamps
     nothing, so a decode with tags refuses its transfers)."""
@@ -73,16 +98,16 @@ def make_tags(manager) -> TagBuffer | SourceTags | None:
         return None
     if not args.kv_item_lens:
         return None
-    pages = args.kv_data_lens[0] // args.kv_item_lens[0]
+    pages, heads = args.kv_data_lens[0] // args.kv_item_lens[0], kv_heads(manager)
     device = torch.device("cuda", args.gpu_id) if torch.cuda.is_available() else torch.device("cpu")
     if manager.disaggregation_mode.value == "decode":
-        manager.hardened_tags = DecodePageTags(pages, device)
+        manager.hardened_tags = DecodePageTags(pages, device, heads=heads)
         buffer = manager.hardened_tags.buffer
-        log.info("sglang-hardened H8: decode page tags on, %d pages on %s; fail closed: %s (%s)",
-                 pages, device, manager.hardened_tags.fail_closed, FAIL_CLOSED_ENV)
+        log.info("sglang-hardened H8: decode page tags on, %d pages x %d KV heads on %s; fail closed: %s (%s)",
+                 pages, heads, device, manager.hardened_tags.fail_closed, FAIL_CLOSED_ENV)
     else:
         manager.hardened_tags = buffer = SourceTags(pages, send_lanes(), device,
-                                                    CostMeter("prefill", closing_op="stamp", unit="send"))
+                                                    CostMeter("prefill", closing_op="stamp", unit="send"), heads=heads)
     return buffer
 
 
@@ -100,9 +125,15 @@ def _frame(value: int) -> list[bytes]:
 
 
 def tags_frame(manager) -> list[bytes]:
-    """Seam in decode's registration message: the address prefill writes tag rows to."""
+    """Seam in decode's registration message: the address prefill writes tag rows to, and a
+    row's size. Its own magic: a prefill from before rows had head slots does not know it, so it
+    treats this decode as unhardened (sends no tags; decode refuses) rather than writing rows of
+    the wrong size into it."""
     tags = getattr(manager, "hardened_tags", None)
-    return _frame(tags.buffer.buf_info()[0]) if isinstance(tags, DecodePageTags) else []
+    if not isinstance(tags, DecodePageTags):
+        return []
+    ptr, _, row = tags.buffer.buf_info()
+    return [ROWS_MAGIC + struct.pack("<qq", ptr, row)]
 
 
 def epoch_frame(manager, room: int) -> list[bytes]:
@@ -114,14 +145,41 @@ def epoch_frame(manager, room: int) -> list[bytes]:
 
 def carried(from_zmq, msg: list[bytes]):
     """Seam on prefill around `KVArgsRegisterInfo.from_zmq` / `TransferInfo.from_zmq`: strip
-    decode's H8 frame before upstream parses the message; keep its value as `.hardened_h8`."""
-    value = None
-    if msg and msg[-1].startswith(FRAME_MAGIC):
-        value = struct.unpack("<q", msg[-1][len(FRAME_MAGIC):])[0]
-        msg = msg[:-1]
+    decode's H8 frame before upstream parses the message; keep its value as `.hardened_h8` (the
+    epoch, or decode's rows' address) and a row's size as `.hardened_h8_row`. A frame of the
+    wrong length is dropped and logged: that peer gets no tags, and a hardened decode refuses."""
+    values: tuple[int, ...] = ()
+    for magic, layout in ((ROWS_MAGIC, "<qq"), (FRAME_MAGIC, "<q")):
+        if msg and msg[-1].startswith(magic):
+            try:
+                values = struct.unpack(layout, msg[-1][len(magic):])
+            except struct.error:
+                log.error("sglang-hardened H8: a peer sent a malformed %r frame (%d bytes); its "
+                          "transfers carry no page tags", magic, len(msg[-1]))
+            msg = msg[:-1]
+            break
     info = from_zmq(msg)
-    info.hardened_h8 = value
+    info.hardened_h8 = values[0] if values else None
+    info.hardened_h8_row = values[1] if len(values) > 1 else None
     return info
+
+
+def decode_rows(manager, peer: str, row: int) -> int | None:
+    """The address of `peer`'s tag rows when they are `row` bytes each (what the sender is about
+    to write); None when it sent none, or rows of another size: a decode from before rows had a
+    slot per KV head sent a bare address, of one-slot rows. Either way it gets no tags and
+    refuses, which beats writing rows into it at the wrong offsets."""
+    info = manager.decode_kv_args_table.get(peer)
+    ptr = getattr(info, "hardened_h8", None)
+    theirs = getattr(info, "hardened_h8_row", None) or ONE_SLOT_ROW
+    if ptr is None or theirs == row:
+        return ptr
+    if not getattr(info, "hardened_h8_warned", False):
+        info.hardened_h8_warned = True
+        log.error("sglang-hardened H8: decode %s keeps %d-byte tag rows and this prefill sends %d-byte ones "
+                  "(hardened revisions from before and after tag slots per KV head); its transfers carry no "
+                  "page tags and it refuses them: run one revision on both roles", peer, theirs, row)
+    return None
 
 
 def _decode_tags(decode_req) -> DecodePageTags | None:
@@ -156,11 +214,33 @@ def tag_layer(manager, session_id: str, src_data_ptrs) -> list[tuple[int, int, i
     rows as one more (src, dst, item_len) layer when this is the KV pool's transfer and both ends
     have tags."""
     tags = getattr(manager, "hardened_tags", None)
-    dst_ptr = getattr(manager.decode_kv_args_table.get(session_id), "hardened_h8", None)
-    if tags is None or dst_ptr is None or src_data_ptrs is not manager.kv_args.kv_data_ptrs:
+    if tags is None or src_data_ptrs is not manager.kv_args.kv_data_ptrs:
         return []
     src_ptr, _, item_len = tags.lane().buf_info()
-    return [(src_ptr, dst_ptr, item_len)]
+    dst_ptr = decode_rows(manager, session_id, item_len)
+    return [] if dst_ptr is None else [(src_ptr, dst_ptr, item_len)]
+
+
+def slice_tags(manager, executor, session_id: str, src_pages, dst_pages, src_head: int, dst_head: int,
+               heads: int, dst_heads: int) -> list:
+    """Seam in Mooncake's `send_kvcache_slice` (MHA between unequal TP sizes), beside the engine
+    calls of this rank's head slice: the calling worker's tag slots of the slice's heads, from the
+    prefill pages' rows to the same heads' slots of the decode pages' rows, as one more engine
+    call the send waits for (its futures join upstream's). Arguments are upstream's: head offsets
+    and counts in heads, `dst_heads` the decode rank's heads (its row's slots, which decode's
+    registration must agree with: no slot is written outside a row)."""
+    tags = getattr(manager, "hardened_tags", None)
+    if tags is None or not len(src_pages):
+        return []
+    slot = TAG_WORDS * 8  # bytes
+    src_ptr, _, src_row = tags.lane().buf_info()
+    dst_ptr = decode_rows(manager, session_id, dst_heads * slot)
+    if dst_ptr is None or dst_head + heads > dst_heads or (src_head + heads) * slot > src_row:
+        return []
+    srcs = src_ptr + np.asarray(src_pages, dtype=np.int64) * src_row + src_head * slot
+    dsts = dst_ptr + np.asarray(dst_pages, dtype=np.int64) * (dst_heads * slot) + dst_head * slot
+    return [executor.submit(manager.engine.batch_transfer_sync, session_id, srcs.tolist(), dsts.tolist(),
+                            [heads * slot] * len(srcs))]
 
 
 def _page_table(transfer_queue, req, pages: int, page_size: int) -> torch.Tensor:
@@ -197,20 +277,22 @@ def refuse_untagged(transfer_queue, decode_req) -> bool:
     return True
 
 
-UNEQUAL_TP = ("; prefill runs attention TP {prefill}, this decode {decode}: SGLang moves KV between unequal TP "
+UNEQUAL_TP = ("; prefill runs attention TP {prefill}, this decode {decode}: NIXL moves KV between unequal TP "
               "sizes by head slices, which carry no page tags, so H8 refuses every such transfer (run both roles "
-              "at one TP size)")
+              "at one TP size, or Mooncake)")
 
 
 def _unequal_tp(decode_req) -> str:
     """Why every transfer of this pair is refused, when its roles run unequal attention TP sizes
-    (upstream's head-sliced sender, which H8 does not cover); empty otherwise."""
+    over NIXL (its head-sliced sender, which H8 does not cover: it needs GPUs to run, so it has
+    no test here); empty otherwise."""
     receiver = decode_req.kv_receiver
     manager = getattr(receiver, "kv_mgr", None)
     prefill = getattr(getattr(receiver, "prefill_info", None), "attn_tp_size", None)
     decode = getattr(manager, "attn_tp_size", None)
     sliced = prefill and decode and prefill != decode and not getattr(manager, "is_mla_backend", False)
-    return UNEQUAL_TP.format(prefill=prefill, decode=decode) if sliced else ""
+    nixl = ".nixl." in type(manager).__module__
+    return UNEQUAL_TP.format(prefill=prefill, decode=decode) if sliced and nixl else ""
 
 
 def release(decode_req) -> None:

@@ -82,7 +82,8 @@ class Build:
 
     @property
     def sliced(self) -> bool:
-        """The roles run unequal TP sizes: SGLang moves KV by head slices (MHA), with no page tags."""
+        """The roles run unequal TP sizes: SGLang moves KV by head slices (MHA), each with its
+        heads' tag slots (Mooncake; NIXL's needs GPUs)."""
         return self.tp != self.decode_tp
 
     @property

@@ -6,9 +6,11 @@ transfer left out, a transfer that fails part-way, a rank killed mid-write), and
 differential oracle after them. The page ledger judges every page free across every rank's
 process: decode's ranks allocate in step, so a page number is the same page on each.
 
-Unequal sizes on MHA move KV by head slices (upstream's ``send_kvcache_slice``), which carry no
-page tags: a hardened decode refuses every such transfer and says why; the injected faults
-wrap the whole-page sender only, so they run on equal sizes.
+Unequal sizes on MHA move KV by head slices (upstream's ``send_kvcache_slice``): each prefill
+rank writes its heads' slice of a decode page and, hardened, those heads' tag slots, so a page
+is admitted only when every slice landed. The ledger records the sliced sends as it does the
+whole-page ones; the lost page runs there too where two prefill ranks write one decode page
+(prefill TP 2, decode 1); the rest of the one-rank faults run on equal sizes.
 
 DP attention (TP 2 split into two DP groups on both roles; the full matrix only) runs the sandbox's
 Qwen3 (upstream's Llama splits its embedding and heads over the whole TP group, which DP attention
@@ -51,8 +53,11 @@ RANK_BUILDS = [Build(base, backend, hardened, tp=tp, decode_tp=dtp)
     [Build(base, backend, hardened, tp=2, decode_tp=2, dp=2) for base in ("0.5.19", "0.5.23")
      for backend in ("mooncake", "nixl") for hardened in (False, True) if FULL_MATRIX]
 EQUAL = [b for b in RANK_BUILDS if not b.sliced and b.dp == 1]
+# Where one prefill rank's page write can be lost alone: equal sizes, and Mooncake's head-sliced
+# sender from two prefill ranks (each writes its heads' slice of every decode page; CI: hardened,
+# about 1 s; upstream's 200 there, 43 s, in the full matrix).
+ONE_RANK_WRITES = EQUAL + [b for b in RANK_BUILDS if b.sliced and b.tp > 1 and (b.hardened or FULL_MATRIX)]
 H8_REFUSED = "sglang-hardened H8"
-UNEQUAL_TP = "prefill runs attention TP"
 FAULT_PROBE = prompt_of(17)  # over the faults' 16-page floor; one page moves the tiny model's output
 OTHER_RANK_SAYS = OTHER_RANK.split("{room}: ")[1][:40]
 # The truncation scenario needs a cluster of its own (unequal limits, 16-token pages): CI runs
@@ -69,9 +74,7 @@ def fc(request, tmp_path_factory):
     overridden on hardened builds, whose other checks are under test) with the fault
     instruments, of the test's build; stopped before the next build's starts."""
     build: Build = request.param
-    refuses_all = build.hardened and build.sliced  # ready once healthy: it serves no request
-    fault_cluster = start_fault_cluster(build, tmp_path_factory.mktemp("instruments"),
-                                        {**LEAK_PARAMS, "probe_transfer": not refuses_all},
+    fault_cluster = start_fault_cluster(build, tmp_path_factory.mktemp("instruments"), LEAK_PARAMS,
                                         DEPTH["extra_env"] if build.hardened else ())
     yield fault_cluster
     fault_cluster.cluster.stop()
@@ -80,19 +83,15 @@ def fc(request, tmp_path_factory):
 @pytest.mark.parametrize("build", TRUNC_BUILDS, ids=lambda b: b.id)
 def test_truncation_with_unequal_limits_across_ranks(start_cluster, build):
     """Prefill truncates the prompt to its limit and decode keeps it whole: hardened refuses it
-    on every rank with nothing decoded (H3, or between unequal TP sizes H8's refusal of the
-    untagged head slices), and serves the control where the sizes match."""
+    on every rank with nothing decoded, and serves the control."""
     cluster = start_cluster(sandbox_env(build.base, hardened=True), build.model, backend=build.backend, **TRUNC_PARAMS,
-                            tp=build.tp, decode_tp=build.decode_tp, dp=build.dp, probe_transfer=not build.sliced, **DEPTH)
+                            tp=build.tp, decode_tp=build.decode_tp, dp=build.dp, **DEPTH)
     idle = cluster.used_tokens()
     with phase(f"scenario truncation {build.id}"):
         v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "control": FITTING_C})
     apart, control = v["pages_apart"], v["control"]
     assert shows_nothing_decoded(apart), apart.replies
-    if build.sliced:
-        assert all(r.status == 500 and UNEQUAL_TP in r.body for r in replies(control)), control.replies
-    else:
-        assert all(r.status == 200 for r in replies(control)) and not control.leaked, control.replies
+    assert all(r.status == 200 for r in replies(control)) and not control.leaked, control.replies
     assert wait_pages_idle(cluster, idle) == idle, "pages leaked"
 
 
@@ -101,7 +100,8 @@ def test_the_incident_across_ranks(fc):
     """An oversized prompt after other tenants' history. Upstream 0.5.19 answers 200 from pages
     its transfer never wrote, on every rank layout; hardened refuses it with nothing decoded.
     (Upstream 0.5.20+ refuses it too, after decode's waiting timeout: test_oversized.py.)
-    Between unequal TP sizes a hardened decode refuses the control as well, naming the sizes."""
+    Between unequal TP sizes a hardened decode serves the control: the head slices carry their
+    heads' tag slots (before, it refused every request there, naming both sizes)."""
     with phase(f"scenario leak {fc.name}"):
         obs = observe_leak(fc.cluster)
     b, control = obs.oversized, obs.control
@@ -109,9 +109,6 @@ def test_the_incident_across_ranks(fc):
     if not fc.hardened:
         assert all(r.status == 200 for r in replies(b)) and b.leaked, b.replies
         assert all(r.status == 200 for r in replies(control)) and not control.leaked, control.replies
-    elif fc.build.sliced:
-        assert shows_nothing_decoded(b) and shows_nothing_decoded(control), (b.replies, control.replies)
-        assert all(UNEQUAL_TP in r.body for r in replies(control)), control.replies
     else:
         assert shows_nothing_decoded(b), b.replies
         assert all(r.status == 200 for r in replies(control)) and not control.leaked, control.replies
@@ -123,13 +120,15 @@ def test_the_incident_across_ranks(fc):
 READ_FAULTS = {"mooncake": ("drop-last-page", "prefill"), "nixl": ("stale-page-index", "decode")}
 
 
-@on(EQUAL)
+@on(ONE_RANK_WRITES)
 @pytest.mark.parametrize("rank", [1, 0] if FULL_MATRIX else [1])  # CI: the rank whose peer must learn of it
 def test_a_page_one_rank_did_not_write(fc, rank):
     """One rank's request reads a page its transfer did not write (the other ranks' are whole).
     Hardened: every rank aborts the request (H8's verdict is shared: before, the clean rank
     decoded it while the other aborted, and decode answered no one again), and the next request
-    is served. Upstream: 200, with output that depends on other tenants."""
+    is served. Upstream: 200, with output that depends on other tenants. Between unequal sizes
+    (prefill TP 2, decode 1) one prefill rank's head slice of the page is lost and the other's
+    lands: decode's one rank refuses it on that slice's tag slots."""
     fault, role = READ_FAULTS[fc.build.backend]
     fc.fault_file.write_text(f"{fault}@{rank}")
     try:
@@ -145,7 +144,7 @@ def test_a_page_one_rank_did_not_write(fc, rank):
     if fc.hardened:
         assert all(r.status == 500 and H8_REFUSED in r.body for r in got), got
         says_other = [OTHER_RANK_SAYS in r.body for r in got]  # the client reads rank 0's message
-        assert says_other == [rank != 0] * len(got), got
+        assert says_other == [rank != 0 and not fc.build.sliced] * len(got), got
         assert fc.cluster.generate(FITTING_C, timeout=120).status == 200
         assert len(hits) >= 2
     else:
@@ -179,7 +178,7 @@ def scheduler_pid(fc: FaultCluster, role: str, rank: int) -> int:
     raise AssertionError(f"no {role} scheduler for TP rank {rank} in process group {group}")
 
 
-@on(EQUAL)  # the ledger's slowed write, which catches a request mid-transfer, wraps the whole-page sender
+@on(EQUAL)  # a killed prefill rank takes all of prefill down whatever the sizes; a lost slice is tested above
 def test_one_rank_killed_mid_transfer(fc):
     """SIGKILL prefill's rank 1 scheduler mid-write: SGLang takes the whole prefill down;
     decode fails the request with an error (no 200 for KV nobody holds), no page goes back
@@ -203,7 +202,4 @@ def test_one_rank_killed_mid_transfer(fc):
 def test_next_requests_read_only_their_own_pages(fc):
     """The differential oracle after every fault above (and a restarted server)."""
     verdict = observe_probes(fc.cluster, {"control": FITTING_C})["control"]
-    if fc.hardened and fc.build.sliced:
-        assert all(r.status == 500 and UNEQUAL_TP in r.body for r in replies(verdict)), verdict.replies
-    else:
-        assert all(r.status == 200 for r in replies(verdict)) and not verdict.leaked, verdict.replies
+    assert all(r.status == 200 for r in replies(verdict)) and not verdict.leaked, verdict.replies

@@ -16,6 +16,11 @@ With "race", prefill sends two requests through the runtime's own seams
 stamp and its write: the interleavings two requests that share cached prefix pages can meet.
 "workers": from two threads, as two transfer workers serving two decode ranks do; "queued"
 (NIXL): from one worker, the first write still queued (`race_queued`).
+
+With "heads" (Mooncake), decode's rows hold that many head slots and prefill runs one rank per
+head, as upstream's head-sliced sender between unequal TP sizes does (prefill TP = heads, decode
+TP 1): each rank stamps and moves its own head's slot (`before_send`, `slice_tags`), and a
+request's "sent" lists what each rank's transfer carries (`sliced`).
 """
 
 from __future__ import annotations
@@ -51,8 +56,8 @@ def nixl_manager(role: str):
     from sglang_hardened.runtime import page_tags_nixl
 
     agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=["UCX"]))
-    kv_args = types.SimpleNamespace(kv_item_lens=[16], kv_data_lens=[16 * PLAN["pages"]], gpu_id=0)
-    manager = types.SimpleNamespace(kv_args=kv_args, agent=agent, decode_kv_args_table={},
+    kv_args = types.SimpleNamespace(kv_item_lens=[16], kv_data_lens=[16 * PLAN["pages"]], gpu_id=0, kv_head_num=1)
+    manager = types.SimpleNamespace(kv_args=kv_args, agent=agent, is_mla_backend=False, decode_kv_args_table={},
                                     disaggregation_mode=types.SimpleNamespace(value=role))
     page_tags_nixl.register(manager)
     return manager
@@ -65,12 +70,13 @@ def decode(backend: str) -> None:
         where = {"metadata": base64.b64encode(manager.agent.get_agent_metadata()).decode(),
                  "agent": manager.agent.name}
     else:
-        tags = DecodePageTags(PLAN["pages"])
+        tags = DecodePageTags(PLAN["pages"], heads=PLAN.get("heads", 1))
         engine = mooncake_engine(tags.buffer)
         where = {"session": f"127.0.0.1:{engine.get_rpc_port()}"}
     tags.fail_closed = False
     epochs = {r["room"]: tags.allocate(r["room"], r["dst"]) for r in PLAN["requests"]}
-    print(json.dumps(where | {"ptr": tags.buffer.buf_info()[0], "epochs": epochs}), file=OUT, flush=True)
+    ptr, _, row = tags.buffer.buf_info()
+    print(json.dumps(where | {"ptr": ptr, "row": row, "epochs": epochs}), file=OUT, flush=True)
     sys.stdin.readline()  # prefill is done
     verdicts = [tags.check(r["room"], r["dst"]) for r in PLAN["requests"]]
     rows = {r["room"]: tags.buffer.rows[r["dst"]].tolist() for r in PLAN["requests"]}
@@ -95,11 +101,13 @@ def mooncake_manager(decode_side: dict):
     if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
         raise SystemExit("mooncake: initialize failed")
     kv_args = types.SimpleNamespace(kv_item_lens=[16], kv_data_lens=[16 * PLAN["pages"]], gpu_id=0,
-                                    kv_data_ptrs=[0])
+                                    kv_data_ptrs=[0], kv_head_num=1)
     manager = types.SimpleNamespace(kv_args=kv_args, raw=engine, disaggregation_mode=types.SimpleNamespace(value="prefill"),
-                                    engine=types.SimpleNamespace(batch_register=engine.batch_register_memory),
+                                    is_mla_backend=False,
+                                    engine=types.SimpleNamespace(batch_register=engine.batch_register_memory,
+                                                                 batch_transfer_sync=engine.batch_transfer_sync_write),
                                     decode_kv_args_table={decode_side["session"]: types.SimpleNamespace(
-                                        hardened_h8=decode_side["ptr"])})
+                                        hardened_h8=decode_side["ptr"], hardened_h8_row=decode_side["row"])})
     page_tags_seams.register(manager)
     return manager
 
@@ -108,7 +116,8 @@ def nixl_prefill(decode_side: dict):
     """Prefill's NIXL manager with decode's agent added: (manager, decode's agent name)."""
     manager = nixl_manager("prefill")
     peer = manager.agent.add_remote_agent(base64.b64decode(decode_side["metadata"]))
-    manager.decode_kv_args_table[peer] = types.SimpleNamespace(hardened_h8=decode_side["ptr"], gpu_id=0)
+    manager.decode_kv_args_table[peer] = types.SimpleNamespace(hardened_h8=decode_side["ptr"],
+                                                               hardened_h8_row=decode_side["row"], gpu_id=0)
     return manager, peer
 
 
@@ -203,8 +212,32 @@ def race_queued(decode_side: dict) -> None:
     print(json.dumps({"rc": 0}), file=OUT, flush=True)
 
 
+def sliced(decode_side: dict) -> None:
+    """Prefill's ranks, one per decode head slot, each sending its head's slice of a request's
+    pages through the seams upstream's head-sliced send calls (a rank's own manager and engine):
+    a request's "sent" lists, per rank, the indices into dst/src that its transfer carries."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sglang_hardened.runtime import page_tags_seams
+
+    session, heads, rcs = decode_side["session"], PLAN["heads"], []
+    with ThreadPoolExecutor(2) as executor:
+        for rank in range(heads):
+            manager = mooncake_manager(decode_side)
+            for r in PLAN["requests"]:
+                req = types.SimpleNamespace(room=r["room"], hardened_h8=decode_side["epochs"][str(r["room"])])
+                page_tags_seams.before_send(manager, Chunk(r["src"]), req, r["dst"])
+                src, dst = ([pages[j] for j in r["sent"][rank]] for pages in (r["src"], r["dst"]))
+                futures = page_tags_seams.slice_tags(manager, executor, session, src, dst, 0, rank, 1, heads)
+                rcs += [f.result() for f in futures]
+    print(json.dumps({"rc": max(rcs, key=abs)}), file=OUT, flush=True)
+
+
 def prefill(backend: str) -> None:
     decode_side = json.loads(sys.stdin.readline())
+    if PLAN.get("heads"):
+        sliced(decode_side)
+        return
     if PLAN.get("race") == "workers":
         race_workers(backend, decode_side)
         return

@@ -14,8 +14,9 @@ request frees exactly the pages its page table holds.
 
 - ``drop-last-page`` (prefill, Mooncake transfer worker): each send of a chunk
   to decode leaves out the chunk's last page: its KV and, on hardened builds,
-  its tag row, which travels in the same ``send_kvcache`` call. Decode reads
-  whatever that page held before.
+  its tag row, which travels in the same ``send_kvcache`` call (between unequal
+  TP sizes, the rank's head slice of the page and its heads' tag slots, in the
+  same ``send_kvcache_slice``). Decode reads whatever that page held before.
 - ``stale-page-index`` (decode, right before the landed transfer is committed
   to the request): the request's first transferred page is swapped in its page
   table for a page taken from the free list, whose bytes hold whatever tenant
@@ -102,7 +103,8 @@ def _hit(fault: str, room, what: str) -> None:
 
 
 def dropping_last_page(req, send):
-    """Prefill's Mooncake transfer worker: ``send_kvcache`` without each chunk's last page."""
+    """Prefill's Mooncake transfer worker: ``send_kvcache`` (or ``send_kvcache_slice``) without each
+    chunk's last page."""
     def call(session_id, prefill_pages, dst_ptrs, dst_pages, *args, **kwargs):
         if armed("drop-last-page", len(dst_pages)):
             _hit("drop-last-page", req.room, f"decode page {int(dst_pages[-1])} left unwritten")
