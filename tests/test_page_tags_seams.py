@@ -178,6 +178,9 @@ def test_a_head_slice_moves_its_heads_slots_to_the_decode_rows():
 
 
 def test_a_rank_has_a_tag_slot_per_kv_head():
-    args = SimpleNamespace(kv_head_num=4)
-    assert seams.kv_heads(SimpleNamespace(is_mla_backend=False, kv_args=args)) == 4
-    assert seams.kv_heads(SimpleNamespace(is_mla_backend=True, kv_args=args)) == 1
+    """Upstream's slicing arithmetic: a rank holds its share of the heads, at least one (fewer
+    heads than ranks: each rank holds one, replicated); MLA's one latent head is every rank's."""
+    def heads(total: int, tp: int, mla: bool = False) -> int:
+        return seams.kv_heads(SimpleNamespace(is_mla_backend=mla, attn_tp_size=tp,
+                                              kv_args=SimpleNamespace(total_kv_head_num=total)))
+    assert (heads(8, 2), heads(8, 1), heads(2, 4), heads(8, 2, mla=True)) == (4, 8, 1, 1)

@@ -26,8 +26,8 @@ def test_anything_else_is_an_error_that_names_the_variable(value):
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_a_manager_started_with_tags_off_has_none_and_says_so(monkeypatch, caplog, mode):
     monkeypatch.setenv(TAGS_ENV, "off")
-    manager = SimpleNamespace(kv_args=SimpleNamespace(kv_item_lens=[64], kv_data_lens=[64 * 8], gpu_id=0, kv_head_num=2),
-                              is_mla_backend=False, disaggregation_mode=SimpleNamespace(value=mode), hardened_tags="stale")
+    manager = SimpleNamespace(kv_args=SimpleNamespace(kv_item_lens=[64], kv_data_lens=[64 * 8], gpu_id=0, total_kv_head_num=2),
+                              is_mla_backend=False, attn_tp_size=1, disaggregation_mode=SimpleNamespace(value=mode), hardened_tags="stale")
     assert make_tags(manager) is None and manager.hardened_tags is None
     assert f"page tags OFF on this {mode}" in caplog.text
     monkeypatch.setenv(TAGS_ENV, "on")

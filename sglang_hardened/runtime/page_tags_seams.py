@@ -67,19 +67,20 @@ def send_lanes() -> int:
 
 
 def kv_heads(manager) -> int:
-    """The rank's KV heads, one tag slot each: what upstream's pool holds per rank
-    (`get_num_kv_heads` of the attention TP size), and the `dst_heads_per_rank` its head-sliced
-    sender writes into; one for MLA, whose one latent head every rank holds whole. Decode's
-    arguments carry no head count (only prefill's and a staging decode's do), so decode reads
-    the model's config as its pool did."""
+    """The rank's KV heads, one tag slot each, by the arithmetic upstream's head-sliced sender
+    uses on both ends (`max(1, total KV heads // attention TP size)`: its `src_heads_per_rank`
+    and `dst_heads_per_rank`), so both roles size their rows alike and every slot a slice names
+    is in its row; one for MLA, whose one latent head every rank holds whole. Prefill's
+    arguments carry the model's total (`total_kv_head_num`); decode's do not (only a staging
+    decode's), so decode reads it from the model's config, as upstream's prefill did."""
     if manager.is_mla_backend:
         return 1
-    heads = getattr(manager.kv_args, "kv_head_num", 0)
-    if heads:
-        return heads
-    from sglang.srt.configs.model_config import ModelConfig
+    total = getattr(manager.kv_args, "total_kv_head_num", 0)
+    if not total:
+        from sglang.srt.configs.model_config import ModelConfig
 
-    return ModelConfig.from_server_args(manager.server_args).get_num_kv_heads(manager.attn_tp_size)
+        total = ModelConfig.from_server_args(manager.server_args).get_total_num_kv_heads()
+    return max(1, total // manager.attn_tp_size)
 
 
 def make_tags(manager) -> TagBuffer | SourceTags | None:

@@ -56,8 +56,8 @@ def nixl_manager(role: str):
     from sglang_hardened.runtime import page_tags_nixl
 
     agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=["UCX"]))
-    kv_args = types.SimpleNamespace(kv_item_lens=[16], kv_data_lens=[16 * PLAN["pages"]], gpu_id=0, kv_head_num=1)
-    manager = types.SimpleNamespace(kv_args=kv_args, agent=agent, is_mla_backend=False, decode_kv_args_table={},
+    kv_args = types.SimpleNamespace(kv_item_lens=[16], kv_data_lens=[16 * PLAN["pages"]], gpu_id=0, total_kv_head_num=1)
+    manager = types.SimpleNamespace(kv_args=kv_args, agent=agent, is_mla_backend=False, attn_tp_size=1, decode_kv_args_table={},
                                     disaggregation_mode=types.SimpleNamespace(value=role))
     page_tags_nixl.register(manager)
     return manager
@@ -101,9 +101,9 @@ def mooncake_manager(decode_side: dict):
     if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
         raise SystemExit("mooncake: initialize failed")
     kv_args = types.SimpleNamespace(kv_item_lens=[16], kv_data_lens=[16 * PLAN["pages"]], gpu_id=0,
-                                    kv_data_ptrs=[0], kv_head_num=1)
+                                    kv_data_ptrs=[0], total_kv_head_num=1)
     manager = types.SimpleNamespace(kv_args=kv_args, raw=engine, disaggregation_mode=types.SimpleNamespace(value="prefill"),
-                                    is_mla_backend=False,
+                                    is_mla_backend=False, attn_tp_size=1,
                                     engine=types.SimpleNamespace(batch_register=engine.batch_register_memory,
                                                                  batch_transfer_sync=engine.batch_transfer_sync_write),
                                     decode_kv_args_table={decode_side["session"]: types.SimpleNamespace(
