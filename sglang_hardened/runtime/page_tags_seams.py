@@ -50,7 +50,7 @@ from .page_tags_cost import CostMeter
 
 FRAME_MAGIC = b"sglang-hardened-H8:"  # one int64: an epoch (or an address, from a decode of one-slot rows)
 ROWS_MAGIC = b"sglang-hardened-H8-rows:"  # two int64s: decode's tag rows' address and a row's bytes
-ONE_SLOT_ROW = TAG_WORDS * 8  # a row's bytes on a decode from before rows had a slot per KV head
+SLOT_BYTES = TAG_WORDS * 8  # one (room, epoch) slot: a whole row on a decode from before rows had a slot per KV head
 OTHER_RANK = ("sglang-hardened H8: request room={room}: its pages on another tensor-parallel rank of this "
               "decode do not carry its tag (that rank's transfer did not write them all); every rank "
               "aborts it, so the ranks stay in step")
@@ -172,7 +172,7 @@ def decode_rows(manager, peer: str, row: int) -> int | None:
     refuses, which beats writing rows into it at the wrong offsets."""
     info = manager.decode_kv_args_table.get(peer)
     ptr = getattr(info, "hardened_h8", None)
-    theirs = getattr(info, "hardened_h8_row", None) or ONE_SLOT_ROW
+    theirs = getattr(info, "hardened_h8_row", None) or SLOT_BYTES
     if ptr is None or theirs == row:
         return ptr
     if not getattr(info, "hardened_h8_warned", False):
@@ -233,15 +233,14 @@ def slice_tags(manager, executor, session_id: str, src_pages, dst_pages, src_hea
     tags = getattr(manager, "hardened_tags", None)
     if tags is None or not len(src_pages):
         return []
-    slot = TAG_WORDS * 8  # bytes
     src_ptr, _, src_row = tags.lane().buf_info()
-    dst_ptr = decode_rows(manager, session_id, dst_heads * slot)
-    if dst_ptr is None or dst_head + heads > dst_heads or (src_head + heads) * slot > src_row:
+    dst_ptr = decode_rows(manager, session_id, dst_heads * SLOT_BYTES)
+    if dst_ptr is None or dst_head + heads > dst_heads or (src_head + heads) * SLOT_BYTES > src_row:
         return []
-    srcs = src_ptr + np.asarray(src_pages, dtype=np.int64) * src_row + src_head * slot
-    dsts = dst_ptr + np.asarray(dst_pages, dtype=np.int64) * (dst_heads * slot) + dst_head * slot
+    srcs = src_ptr + np.asarray(src_pages, dtype=np.int64) * src_row + src_head * SLOT_BYTES
+    dsts = dst_ptr + np.asarray(dst_pages, dtype=np.int64) * (dst_heads * SLOT_BYTES) + dst_head * SLOT_BYTES
     return [executor.submit(manager.engine.batch_transfer_sync, session_id, srcs.tolist(), dsts.tolist(),
-                            [heads * slot] * len(srcs))]
+                            [heads * SLOT_BYTES] * len(srcs))]
 
 
 def _page_table(transfer_queue, req, pages: int, page_size: int) -> torch.Tensor:
