@@ -462,7 +462,7 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
         if not lb_first:
             _start_lb(cluster, env, params.lb, "lb", lp)
         wait_ready(cluster, ["lb"], t0 + deadline_s, serves if params.probe_transfer else healthy)
-        if params.probe_transfer and params.dp > 1:
+        if params.probe_transfer:
             _wait_at_rest(cluster, t0 + deadline_s)
     except BaseException:
         cluster.stop()
@@ -502,8 +502,10 @@ def serves(url: str) -> bool:
 
 def _wait_at_rest(cluster: Cluster, deadline: float) -> None:
     """Until the ready probe's pages are back on both roles (what tests take as the idle count):
-    with DP attention, prefill's rank gives them back a pass or two after the answer (up to
-    about 3 s on CPU). Bounded: a cluster that keeps them is the test's to judge, said here."""
+    prefill gives them back a scheduler pass or more after the answer (with DP attention up to
+    about 3 s on CPU; a hardened NIXL prefill's source hold ends only once its drain watcher
+    settles, which a loaded 2-core CI machine once saw after the count was taken). Bounded: a
+    cluster that keeps them is the test's to judge, said here."""
     bound = min(deadline, time.monotonic() + AT_REST_WAIT_S)
     while used := {role: n for role, n in cluster.used_tokens().items() if n}:
         if time.monotonic() >= bound:
