@@ -1,5 +1,5 @@
 """Decisions that must be one across tensor-parallel ranks, on two real gloo ranks (processes):
-H8's refusal on decode, H5's hold of a failed request's source pages on prefill. Each rank
+H3's and H8's refusals on decode, H5's hold of a failed request's source pages on prefill. Each rank
 decided alone before, and a rank that aborted or held what the other did not hung the server
 for everyone (tests/e2e/test_multi_rank.py shows both on clusters)."""
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from sglang_hardened.runtime import coverage
 from sglang_hardened.runtime import page_tags_seams as seams
 from sglang_hardened.runtime import source_hold
 from sglang_hardened.runtime.page_tags import DecodePageTags
@@ -79,6 +80,28 @@ def _check_with_rank_one_short(rank: int, group: dist.ProcessGroup) -> list[str]
 def test_pages_short_on_one_rank_abort_the_request_on_every_rank():
     on_rank0, on_rank1 = on_ranks(_check_with_rank_one_short)
     assert on_rank1 and "1 of its 3 pages" in on_rank1[0]
+    assert on_rank0 and "another tensor-parallel rank" in on_rank0[0], "rank 0 would decode what rank 1 aborted"
+
+
+def _coverage_with_rank_one_unstated(rank: int, group: dist.ProcessGroup) -> list[str]:
+    """Each rank's H3 check of one request whose metadata row states its prompt on rank 0 and
+    nothing on rank 1 (that rank's row came from elsewhere); what each rank aborted with."""
+    aborted: list[str] = []
+    coverage.abort_before_decode = lambda _req, reason: aborted.append(reason)  # a forked rank's own copy
+    dreq = decode_req(None, prompt=10)
+    dreq.req.rid = "r1"
+    row = [ROOM, 0, 0]
+    if rank == 0:
+        coverage.stamp(row, dreq.req)
+    assert coverage.refuse_uncovered(SimpleNamespace(gloo_group=group), dreq, row) == bool(aborted)
+    return aborted
+
+
+def test_a_prompt_one_rank_s_transfer_did_not_cover_is_aborted_on_every_rank():
+    """Before, rank 0 went on to decode (and into H8's agreement, which rank 1, returning here,
+    never reached: the server's next collectives paired wrongly)."""
+    on_rank0, on_rank1 = on_ranks(_coverage_with_rank_one_unstated)
+    assert on_rank1 and "did not state how many prompt tokens" in on_rank1[0]
     assert on_rank0 and "another tensor-parallel rank" in on_rank0[0], "rank 0 would decode what rank 1 aborted"
 
 

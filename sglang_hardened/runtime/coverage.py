@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 
 from . import metrics
+from .rank_agreement import any_rank
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
 
@@ -31,6 +32,9 @@ MAGIC_SLOT, TOKENS_SLOT = 1, 2
 # The sender's refusal: numbers only besides fixed text, so H4 may pass it on to decode as is.
 SHORTFALL = ("sglang-hardened H3: room {room}: decode expects {expects} pages but prefill sends {sends}; "
              "the transfer is failed rather than leave decode pages unwritten")
+OTHER_RANK = ("sglang-hardened H3: request room={room}: the transfer to another tensor-parallel rank of this "
+              "decode did not cover every prompt page (that rank refused it); every rank aborts it, so "
+              "the ranks stay in step")
 
 log = logging.getLogger("sglang_hardened")
 refused_total = 0  # requests decode refused for uncovered pages, in this process
@@ -61,17 +65,26 @@ def uncovered_reason(req, row) -> str | None:
             f"two roles")
 
 
-def refuse_uncovered(decode_req, row) -> bool:
+def refuse_uncovered(transfer_queue, decode_req, row) -> bool:
     """Seam in decode's `_commit_transfer_to_req`, after upstream's room check: abort an
-    uncovered request the way upstream aborts a room mismatch (True: caller returns)."""
+    uncovered request the way upstream aborts a room mismatch (True: caller returns). Each
+    tensor-parallel rank reads the row its own transfer brought; one verdict for all of them,
+    since a rank returning here alone would skip H8's agreement the others wait in."""
     global refused_total
-    reason = uncovered_reason(decode_req.req, row)
+    req = decode_req.req
+    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+        return False
+    reason = uncovered_reason(req, row)
+    if any_rank([reason is not None], (getattr(transfer_queue, "gloo_group", None),))[0] and reason is None:
+        reason = OTHER_RANK.format(room=req.bootstrap_room)
+        metrics.refused("H3", "decode", "another_rank")
+    elif reason is not None:
+        metrics.refused("H3", "decode", "unstated_coverage" if int(row[MAGIC_SLOT]) != STAMP_MAGIC
+                        else "prompt_length_differs")
     if reason is None:
         return False
     refused_total += 1
     log.error("%s (refused so far: %d)", reason, refused_total)
-    metrics.refused("H3", "decode", "unstated_coverage" if int(row[MAGIC_SLOT]) != STAMP_MAGIC
-                    else "prompt_length_differs")
     abort_before_decode(decode_req, reason)
     return True
 

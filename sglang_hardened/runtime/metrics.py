@@ -29,7 +29,7 @@ ROLES = ("prefill", "decode", "api")  # api: where any server first reads a requ
 # What each id refuses or ends a request for: the only values its ``reason`` label takes.
 REASONS: dict[str, tuple[str, ...]] = {
     "H1": ("input_too_long",),  # prefill's admission refusal (upstream's own check from 0.5.21)
-    "H3": ("unstated_coverage", "prompt_length_differs", "sender_shortfall"),
+    "H3": ("unstated_coverage", "prompt_length_differs", "sender_shortfall", "another_rank"),
     "H4": ("prefill_ended",),
     "H7": ("limit_below_decode", "limit_unreadable"),  # per refused readiness check, not per request
     "H8": ("tag_mismatch", "fail_closed", "another_rank"),

@@ -3,8 +3,8 @@
 Each rank of a tensor-parallel server runs the same scheduler loop over its own shard of the
 KV pool, and the ranks stay in step only while they admit, hold, free and abort the same
 requests at the same iteration: upstream all-reduces its transfer polls, and decode's deferred
-releases, for that reason. A hardened decision that reads a rank's own state (H8's tags on
-decode; on prefill, H5's count of chunks its own transfer worker still sends) can differ
+releases, for that reason. A hardened decision that reads a rank's own state (H3's metadata
+row and H8's tags on decode; on prefill, H5's count of chunks its own transfer worker still sends) can differ
 between ranks when one rank's transfer went wrong. If one rank then aborts, holds or frees
 what the others do not, their next collective never matches and the server answers no one
 again (both found on TP 2/2 clusters, tests/e2e/test_multi_rank.py). So such a decision is
