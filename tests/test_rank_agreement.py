@@ -83,26 +83,34 @@ def test_pages_short_on_one_rank_abort_the_request_on_every_rank():
     assert on_rank0 and "another tensor-parallel rank" in on_rank0[0], "rank 0 would decode what rank 1 aborted"
 
 
-def _coverage_with_rank_one_unstated(rank: int, group: dist.ProcessGroup) -> list[str]:
-    """Each rank's H3 check of one request whose metadata row states its prompt on rank 0 and
-    nothing on rank 1 (that rank's row came from elsewhere); what each rank aborted with."""
-    aborted: list[str] = []
-    coverage.abort_before_decode = lambda _req, reason: aborted.append(reason)  # a forked rank's own copy
-    dreq = decode_req(None, prompt=10)
-    dreq.req.rid = "r1"
-    row = [ROOM, 0, 0]
-    if rank == 0:
-        coverage.stamp(row, dreq.req)
-    assert coverage.refuse_uncovered(SimpleNamespace(gloo_group=group), dreq, row) == bool(aborted)
-    return aborted
+def _coverage(stated: tuple[bool, bool]) -> Callable[[int, dist.ProcessGroup], list[str]]:
+    """Each rank's H3 check of one request whose metadata row states its prompt on the ranks
+    ``stated`` names and nothing on the others (their rows came from elsewhere); what each rank
+    aborted with."""
+    def job(rank: int, group: dist.ProcessGroup) -> list[str]:
+        aborted: list[str] = []
+        coverage.abort_before_decode = lambda _req, reason: aborted.append(reason)  # a forked rank's own copy
+        dreq = decode_req(None, prompt=10)
+        dreq.req.rid = "r1"
+        row = [ROOM, 0, 0]
+        if stated[rank]:
+            coverage.stamp(row, dreq.req)
+        assert coverage.refuse_uncovered(SimpleNamespace(gloo_group=group), dreq, row) == bool(aborted)
+        return aborted
+    return job
 
 
 def test_a_prompt_one_rank_s_transfer_did_not_cover_is_aborted_on_every_rank():
     """Before, rank 0 went on to decode (and into H8's agreement, which rank 1, returning here,
     never reached: the server's next collectives paired wrongly)."""
-    on_rank0, on_rank1 = on_ranks(_coverage_with_rank_one_unstated)
+    on_rank0, on_rank1 = on_ranks(_coverage((True, False)))
     assert on_rank1 and "did not state how many prompt tokens" in on_rank1[0]
     assert on_rank0 and "another tensor-parallel rank" in on_rank0[0], "rank 0 would decode what rank 1 aborted"
+
+
+def test_ranks_that_refuse_alike_each_name_their_own_cause_and_covered_ones_all_go_on():
+    assert all(len(a) == 1 and "did not state how many prompt tokens" in a[0] for a in on_ranks(_coverage((False, False))))
+    assert on_ranks(_coverage((True, True))) == [[], []]
 
 
 def _source_hold_with_rank_zero_sending(rank: int, group: dist.ProcessGroup) -> list[bool]:

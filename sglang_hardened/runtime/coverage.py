@@ -33,8 +33,8 @@ MAGIC_SLOT, TOKENS_SLOT = 1, 2
 SHORTFALL = ("sglang-hardened H3: room {room}: decode expects {expects} pages but prefill sends {sends}; "
              "the transfer is failed rather than leave decode pages unwritten")
 OTHER_RANK = ("sglang-hardened H3: request room={room}: the transfer to another tensor-parallel rank of this "
-              "decode did not cover every prompt page (that rank refused it); every rank aborts it, so "
-              "the ranks stay in step")
+              "decode did not cover every prompt page (that rank refused it, and its log says why); every "
+              "rank aborts it, so the ranks stay in step")
 
 log = logging.getLogger("sglang_hardened")
 refused_total = 0  # requests decode refused for uncovered pages, in this process
