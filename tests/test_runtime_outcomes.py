@@ -11,10 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_hardened.runtime import coverage, outcomes
+from sglang_hardened.runtime import page_tags_seams as seams
+from sglang_hardened.runtime.page_tags import DecodePageTags
 from sglang_hardened.runtime.coverage import SHORTFALL
 from sglang_hardened.runtime.warmup import FAKE_BOOTSTRAP_HOST
 from sglang_hardened.runtime.outcomes import OutcomeLog, Verdicts
 from tests.conftest import eventually
+from tests.test_page_tags_seams import ROOM, decode_req
 
 WAIT_S = 30.0  # a long poll's deadline, far beyond the outcome's 0.2 s
 
@@ -229,6 +232,19 @@ def test_no_stamp_is_a_refusal_but_warm_up_requests_carry_none():
     row = [5, 0, 0, 0, 0, 0, 0, 0]  # what an unhardened prefill sends
     assert "did not state how many prompt tokens" in coverage.uncovered_reason(_req(10), row)
     assert coverage.uncovered_reason(_req(10, host=FAKE_BOOTSTRAP_HOST), row) is None
+
+
+def test_a_refused_request_s_page_tag_allocation_is_forgotten(monkeypatch):
+    """Upstream frees a request H3 aborts through ``_release_request``, which H8's release seam
+    (in ``_do_release``) never sees: before, each refusal left its room's epoch and page index
+    in decode's tags for the process's life."""
+    monkeypatch.setattr(coverage, "abort_before_decode", lambda _req, _reason: None)
+    tags = DecodePageTags(16)
+    dreq = decode_req(tags, prompt=10)
+    dreq.req.rid = "r1"
+    seams.allocate(dreq, [2, 3, 4])
+    assert coverage.refuse_uncovered(SimpleNamespace(gloo_group=None), dreq, [ROOM, 0, 0])
+    assert ROOM not in tags.expected and ROOM not in tags._allocated
 
 
 @pytest.mark.parametrize("last, stop, dst, short", [

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 
 from . import metrics
+from .page_tags_seams import release as forget_page_tags
 from .rank_agreement import any_rank
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
@@ -85,6 +86,9 @@ def refuse_uncovered(transfer_queue, decode_req, row) -> bool:
         return False
     refused_total += 1
     log.error("%s (refused so far: %d)", reason, refused_total)
+    # upstream frees a request aborted here by _release_request, which H8's seam in _do_release
+    # never sees: forget its tag allocation here, or it stays for the process's life
+    forget_page_tags(decode_req)
     abort_before_decode(decode_req, reason)
     return True
 
