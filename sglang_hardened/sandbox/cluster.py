@@ -406,6 +406,12 @@ def healthy(url: str) -> bool:
         return False
 
 
+def lost_port_race(log_tail: str) -> bool:
+    """Whether a process's log says it could not bind its port: uvicorn writes the errno's text
+    in lower case, smg (a Rust process) as the OS words it, capitalised."""
+    return BIND_FAILED in log_tail.lower()
+
+
 class PortRace(SandboxError):
     """A port picked free was taken before the server bound it (SGLang and Mooncake pick
     their own internal ports at random, so the window cannot be closed from outside)."""
@@ -520,7 +526,7 @@ def wait_ready(cluster: Cluster, names: list[str], deadline: float, ready: Calla
     while pending:
         for proc in cluster.procs.values():  # every server so far, not only those awaited
             # a lost port race first: uvicorn may linger after it, or exit at once
-            if BIND_FAILED in cluster.log_tail(proc.name, 20):
+            if lost_port_race(cluster.log_tail(proc.name, 20)):
                 raise PortRace(f"{proc.name} could not bind its port\n{cluster.log_tails()}")
             if not _alive(proc.pid):
                 raise SandboxError(f"{proc.name} exited during start-up\n{cluster.log_tails()}")
