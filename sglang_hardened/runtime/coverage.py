@@ -22,7 +22,7 @@ import logging
 
 from . import metrics
 from .page_tags_seams import release as forget_page_tags
-from .rank_agreement import any_rank
+from .rank_agreement import refused_elsewhere
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
 
@@ -76,7 +76,7 @@ def refuse_uncovered(transfer_queue, decode_req, row) -> bool:
     if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
         return False
     reason = uncovered_reason(req, row)
-    if any_rank([reason is not None], (getattr(transfer_queue, "gloo_group", None),))[0] and reason is None:
+    if refused_elsewhere(reason is not None, transfer_queue):
         reason = OTHER_RANK.format(room=req.bootstrap_room)
         metrics.refused("H3", "decode", "another_rank")
     elif reason is not None:

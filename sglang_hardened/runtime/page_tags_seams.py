@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import metrics
-from .rank_agreement import any_rank
+from .rank_agreement import refused_elsewhere
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
 from .page_tags import FAIL_CLOSED_ENV, TAG_WORDS, DecodePageTags, PageTagMismatch, SourceTags, TagBuffer
@@ -267,7 +267,7 @@ def refuse_untagged(transfer_queue, decode_req) -> bool:
         reason = str(closed)
     release(decode_req)
     # every rank checks its own shard of the pages; all abort, or none (else decode's ranks diverge)
-    if any_rank([reason is not None], (getattr(transfer_queue, "gloo_group", None),))[0] and reason is None:
+    if refused_elsewhere(reason is not None, transfer_queue):
         reason = OTHER_RANK.format(room=req.bootstrap_room)
         log.error(reason)
         metrics.refused("H8", "decode", "another_rank")

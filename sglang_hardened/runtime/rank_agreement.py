@@ -42,6 +42,14 @@ def every_rank(flags: list[bool], groups: Groups) -> list[bool]:
     return [not f for f in any_rank([not f for f in flags], groups)]
 
 
+def refused_elsewhere(refused_here: bool, transfer_queue: object) -> bool:
+    """Whether another rank of this decode refuses a request this rank would admit: one MAX
+    all-reduce over the transfer queue's gloo group (attention TP), which every rank reaches for
+    the same committed requests in the same order, refusing or not (so never behind a
+    short-circuit on ``refused_here``)."""
+    return any_rank([refused_here], (getattr(transfer_queue, "gloo_group", None),))[0] and not refused_here
+
+
 def hold_anywhere(notified: bool, group: dist.ProcessGroup | None) -> bool:
     """Decode's choice, for a transfer that failed, to hold its pages for prefill's drain ack:
     made by every rank if any rank must. Whether the ABORT went out is rank-local (one rank's
