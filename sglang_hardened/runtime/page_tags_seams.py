@@ -234,11 +234,12 @@ def slice_tags(manager, executor, session_id: str, src_pages, dst_pages, src_hea
     if tags is None or not len(src_pages):
         return []
     src_ptr, _, src_row = tags.lane().buf_info()
-    dst_ptr = decode_rows(manager, session_id, dst_heads * SLOT_BYTES)
+    dst_row = dst_heads * SLOT_BYTES
+    dst_ptr = decode_rows(manager, session_id, dst_row)
     if dst_ptr is None or dst_head + heads > dst_heads or (src_head + heads) * SLOT_BYTES > src_row:
         return []
     srcs = src_ptr + np.asarray(src_pages, dtype=np.int64) * src_row + src_head * SLOT_BYTES
-    dsts = dst_ptr + np.asarray(dst_pages, dtype=np.int64) * (dst_heads * SLOT_BYTES) + dst_head * SLOT_BYTES
+    dsts = dst_ptr + np.asarray(dst_pages, dtype=np.int64) * dst_row + dst_head * SLOT_BYTES
     return [executor.submit(manager.engine.batch_transfer_sync, session_id, srcs.tolist(), dsts.tolist(),
                             [heads * SLOT_BYTES] * len(srcs))]
 
