@@ -22,3 +22,12 @@ def record_digest(data: bytes) -> str:
     """The `sha256=<urlsafe base64, no padding>` form that wheel RECORD files use."""
     raw = hashlib.sha256(data).digest()
     return "sha256=" + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def files_digest(root: Path, paths: list[Path]) -> str:
+    """Hex sha256 over ``paths`` (relative names and contents, in sorted order) under ``root``:
+    one key for a set of inputs, which a rename changes as an edit does."""
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()

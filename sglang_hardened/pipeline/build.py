@@ -7,6 +7,7 @@ staging directory inside the output directory and moved in at the end.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
 import subprocess
 import sys
@@ -17,10 +18,11 @@ from typing import Callable
 
 from .. import __version__
 from ..common.errors import HardenedError
+from ..common.hashing import files_digest
 from ..common.paths import patches_dir
 from . import unidiff
 from .fetch import fetch_wheel
-from .lock import UpstreamPin, get_pin
+from .lock import LOCK_NAME, UpstreamPin, get_pin
 from .manifest import build_manifest, write_manifest
 from .sbom import write_sbom
 from .series import Series, load_series
@@ -112,6 +114,17 @@ def build_tool_wheel(dest_dir: Path) -> Path:
         target = dest_dir / wheels[0].name
         os.replace(wheels[0], target)
     return target
+
+
+def inputs_digest(patches: Path, base: str) -> str:
+    """What ``build([base])`` reads, as one hash: the lock, the base's series and patches, and the
+    tool's own source (its wheel, and the code that builds). Builds are reproducible, so equal
+    inputs give equal wheels, and a cache keyed on this skips the build."""
+    tool = [p for p in (TOOL_ROOT / "sglang_hardened").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    tool += [TOOL_ROOT / name for name in ("pyproject.toml", "README.md")]
+    patch_files = [patches / LOCK_NAME, *(p for p in (patches / base).rglob("*") if p.is_file())]
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "")
+    return hashlib.sha256(f"{files_digest(TOOL_ROOT, tool)} {files_digest(patches, patch_files)} {epoch}".encode()).hexdigest()
 
 
 def build(bases: list[str], out_dir: Path, *, patches: Path | None = None,

@@ -247,9 +247,13 @@ def build_env(base: str, wheels: list[Path], overlay: Path) -> SandboxEnv:
         pins = PINS / f"{name}.txt"
         layers.append(_target(python, f"layer-{name}", _key(pins.read_bytes(), ov.digest(of_sglang=False)),
                               ["-r", str(pins)], ov, log, layer_base, f"the {name} layer"))
-    wheel_key = _key(*(sha256_file(w) for w in wheels), ov.digest(of_sglang=True))
-    sglang = _target(python, "sglang", wheel_key, [str(w) for w in wheels], ov, log, base, f"the build of {wheels[0].name}")
-    return SandboxEnv(base=base, python=python, path=(ov.site, sglang, *layers))
+    # SGLang and the tool each in a layer of its own: a runtime change reinstalls the small tool
+    # layer, not SGLang (which the overlay edits)
+    sglang = _target(python, "sglang", _key(sha256_file(wheels[0]), ov.digest(of_sglang=True)), [str(wheels[0])], ov,
+                     log, base, f"the build of {wheels[0].name}")
+    tools = [_target(python, "tool", _key(sha256_file(w)), [str(w)], ov, log, None, f"the tool {w.name}")
+             for w in wheels[1:]]
+    return SandboxEnv(base=base, python=python, path=(ov.site, sglang, *tools, *layers))
 
 
 def with_load_generator(env: SandboxEnv) -> SandboxEnv:
@@ -290,17 +294,19 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
 
     ``without`` leaves out the patches of those hardening ids, to show what the
     layers behind them do alone. Builds land in a directory named by their hashes,
-    so concurrent runs (and checkouts) never replace a wheel another one installs.
+    so concurrent runs (and checkouts) never replace a wheel another one installs, and
+    a record named by the build's inputs (``inputs_digest``) lets the next ask for the
+    same inputs skip the build: a fresh clone of an unchanged tree builds nothing.
     """
     if not hardened:
         return [upstream_wheel(base, patches)]
     from ..common.paths import patches_dir
-    from ..pipeline.build import build
+    from ..pipeline.build import build, inputs_digest
     from ..pipeline.series import copy_without
 
     _check_base(base)
     root = cache_dir() / "hardened"
-    root.mkdir(parents=True, exist_ok=True)
+    (root / base).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=f".{base}-") as tmp:
         out = Path(tmp) / "out"
         out.mkdir()
@@ -308,15 +314,30 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
             patches = patches or patches_dir()
             if without:
                 patches = copy_without(patches, base, without, Path(tmp) / "patches")
+            record = root / base / f"inputs-{inputs_digest(patches, base)[:16]}.json"
+            if cached := _recorded_build(record):
+                return cached
             [result], tool = build([base], out, patches=patches)
         except HardenedError as e:
             raise SandboxError(f"hardened build of {base} failed: {e}") from e
         final = root / base / _key(sha256_file(result.wheel), sha256_file(tool))
         if not final.exists():
-            final.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.rename(out, final)
             except OSError:
                 if not final.exists():
                     raise
-    return [final / result.wheel.name, final / tool.name]
+        wheels = [final / result.wheel.name, final / tool.name]
+        staged = Path(tmp) / record.name
+        staged.write_text(json.dumps([str(w.relative_to(root)) for w in wheels]))
+        os.replace(staged, record)  # whole or absent: a reader never sees half a record
+    return wheels
+
+
+def _recorded_build(record: Path) -> list[Path] | None:
+    """The wheels an earlier build from the same inputs left, if they are all still there."""
+    try:
+        wheels = [record.parent.parent / name for name in json.loads(record.read_text())]
+    except (OSError, ValueError):
+        return None
+    return wheels if all(w.is_file() for w in wheels) else None
