@@ -179,15 +179,23 @@ METRICS_FLAGS = ("--enable-metrics",)
 HEARTBEAT = ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL=2", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE=2")
 
 
-def hardened_metric(cluster: Cluster, role: str, name: str, **labels: str) -> float:
-    """The sum of ``role``'s samples ``sglang_hardened_<name>`` on its /metrics whose labels
-    include ``labels`` (0 when it has none: a counter appears at its first event)."""
+def hardened_samples(cluster: Cluster, role: str) -> list:
+    """``role``'s samples of the runtime's metrics (``sglang_hardened_*``) on its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{cluster.procs[role].url}/metrics", timeout=30) as reply:
         text = reply.read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == f"sglang_hardened_{name}" and labels.items() <= s.labels.items())
+    return [s for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("sglang_hardened_")]
+
+
+def hardened_metric(cluster: Cluster, role: str, name: str, **labels: str) -> float:
+    """The sum of ``role``'s samples ``sglang_hardened_<name>`` whose labels include ``labels``
+    (0 when it has none: a counter appears at its first event). A role that serves no hardened
+    metric at all fails the test: metrics off, or not a hardened build, must not read as zero."""
+    samples = hardened_samples(cluster, role)
+    assert samples, f"{role}'s /metrics serves no sglang_hardened_ metric: not a hardened build, or metrics off"
+    return sum(s.value for s in samples if s.name == f"sglang_hardened_{name}" and labels.items() <= s.labels.items())
 
 
 def post(url: str, payload: dict, path: str = "/generate") -> http.client.HTTPConnection:
