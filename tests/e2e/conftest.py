@@ -17,7 +17,7 @@ from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.sandbox import cluster as sbc
 from sglang_hardened.sandbox.env import SandboxEnv, bases, build_env, wheels_for, with_load_generator
 from sglang_hardened.sandbox.model import ensure_model
-from tests.conftest import CLUSTER_START, SERVER_RESTART, SESSION, phase
+from tests.harness import CLUSTER_START, SERVER_RESTART, SESSION, phase
 
 from .scenarios import FULL_MATRIX
 
@@ -28,15 +28,17 @@ TIMINGS: list[tuple[str, str, str, str, int, float]] = []
 EnvKey = tuple[str, bool, tuple[str, ...], Path | None]
 _ENVS: dict[EnvKey, Future[SandboxEnv]] = {}
 _ENVS_LOCK = threading.Lock()
-# The environments CI's e2e tests ask for, in about the order they first do: built beside the
-# unit tests, which run first (tests/conftest.py), so a cold cache's ten minutes of downloads and
-# installs overlap them. (base, hardened, the hardening ids left out.) One not listed is built when
-# a test asks for it, and the run's summary names it; one listed and never asked for costs only
-# background time.
-PREWARM: list[tuple[str, bool, tuple[str, ...]]] = [
+# The environments the e2e tests ask for, in about the order they first do: built beside the
+# unit and integration tests, which run first (tests/harness.py), so a cold cache's ten minutes of
+# downloads and installs overlap them. (base, hardened, the hardening ids left out.) One not listed
+# is built when a test asks for it, and the run's summary names it; one listed and never asked for
+# costs only background time, so the gate (`--tier gate`) warms only its own.
+PREWARM_GATE: list[tuple[str, bool, tuple[str, ...]]] = [
     ("0.5.23", False, ()), ("0.5.23", True, ()), ("0.5.19", False, ()), ("0.5.19", True, ()),
-    ("0.5.22", False, ()), ("0.5.22", True, ()), ("0.5.23", True, ("H3", "H4")), ("0.5.19", True, ("H1",)),
-    ("0.5.19", True, ("H2", "H4")), ("0.5.19", True, ("H1", "H3")), ("0.5.20", True, ()),
+    ("0.5.19", True, ("H2", "H4")), ("0.5.19", True, ("H1", "H3")), ("0.5.23", True, ("H3", "H4")),
+]
+PREWARM: list[tuple[str, bool, tuple[str, ...]]] = PREWARM_GATE + [
+    ("0.5.22", False, ()), ("0.5.22", True, ()), ("0.5.19", True, ("H1",)), ("0.5.20", True, ()),
     ("0.5.19", True, ("H3", "H4")),
 ] if not FULL_MATRIX else [(base, hardened, ()) for base in bases() for hardened in (False, True)]
 ON_DEMAND: list[str] = []  # environments a test waited for that the prewarm list does not name
@@ -70,7 +72,7 @@ def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = ()
             if threading.current_thread() is not threading.main_thread():
                 with _ENVS_LOCK:  # the test that asks builds it again, and fails with its own error
                     _ENVS.pop(key, None)
-        if threading.current_thread() is threading.main_thread() and (base, hardened, without) not in PREWARM:
+        if threading.current_thread() is threading.main_thread() and (base, hardened, without) not in _WARMING:
             ON_DEMAND.append(f"{base} {_flavour(hardened, without)}" + (" (another patch tree)" if patches else ""))
     elif not future.done():
         with phase(f"prewarm wait {base} {_flavour(hardened, without)}"):
@@ -104,29 +106,38 @@ def _check_built_from(wheel: Path, tree: Path, base: str, without: tuple[str, ..
                              f"(missing: {sorted(set(expected) - set(got))})")
 
 
-def _prewarm() -> None:
-    for base, hardened, without in PREWARM:
+_WARMING: list[tuple[str, bool, tuple[str, ...]]] = []  # the list this run's prewarm thread builds
+_PREWARM_THREADS: list[threading.Thread] = []
+
+
+def _prewarm(load_generator: bool) -> None:
+    for base, hardened, without in _WARMING:
         if _STOP_PREWARM.is_set():
             return
         try:
             sandbox_env(base, hardened, without)
         except BaseException:  # noqa: BLE001 - the test that asks for it gets the error
             pass
+    if not load_generator:
+        return
     try:  # the load generator's layer (test_benchmarks.py), shared by every base's environment
         with phase("env load generator layer"):
-            with_load_generator(sandbox_env(PREWARM[0][0]))
+            with_load_generator(sandbox_env(_WARMING[0][0]))
     except BaseException:  # noqa: BLE001 - as above
         pass
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start building the e2e tests' environments when the unit tests run before them."""
+    """Start building the e2e tests' environments when the tests of the other tiers run before
+    them: the gate's own list in the gate, every CI environment otherwise."""
     kinds = [item.get_closest_marker("e2e") is not None for item in session.items]
     if any(kinds) and not kinds[0]:
-        PREWARM_THREAD.start()
-
-
-PREWARM_THREAD = threading.Thread(target=_prewarm, name="prewarm sandbox environments", daemon=True)
+        gate = session.config.getoption("tier") == "gate" and not FULL_MATRIX
+        _WARMING.extend(PREWARM_GATE if gate else PREWARM)
+        benchmarks = any(i.nodeid.startswith("tests/e2e/test_benchmarks.py") for i in session.items)
+        _PREWARM_THREADS.append(threading.Thread(target=_prewarm, args=(benchmarks,), daemon=True,
+                                                 name="prewarm sandbox environments"))
+        _PREWARM_THREADS[0].start()
 
 
 def launch(env: SandboxEnv, model: str = "tiny", prefill_env: SandboxEnv | None = None, **params) -> sbc.Cluster:
@@ -175,7 +186,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line("\nclient waits (same run):")
         terminalreporter.write_line(format_table(("scenario", "base", "backend", "build", "status", "seconds"), rows))
     if ON_DEMAND:
-        terminalreporter.write_line(f"\nenvironments built when a test asked (not in conftest's PREWARM): "
+        terminalreporter.write_line(f"\nenvironments built when a test asked (not in conftest's prewarm list): "
                                     f"{', '.join(ON_DEMAND)}")
     if PORTS_USED and (left := sbc.leftovers(PORTS_USED)):
         terminalreporter.write_line(f"LEFT BEHIND by the harness: {', '.join(left)}", red=True, bold=True)
@@ -206,8 +217,8 @@ def pytest_sessionfinish() -> None:
     while _SHARED:
         _SHARED.popitem()[1].stop()
     _STOP_PREWARM.set()
-    if PREWARM_THREAD.is_alive():
-        PREWARM_THREAD.join()
+    for thread in _PREWARM_THREADS:
+        thread.join()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLUSTER_START, phase
+from tests.harness import CLUSTER_START, phase
 
 pytestmark = pytest.mark.e2e
 

@@ -38,7 +38,7 @@ from sglang_hardened.sandbox.soak.run import run_soak
 from .conftest import TIMINGS, launch, restart, sandbox_env
 from .inflight import Answer, InFlight, abort_request, send_mid_transfer
 from .scenarios import (FITTING_C, FULL_MATRIX, HEARTBEAT, METRICS_FLAGS, SAFE_PARAMS, SLOW_PROMPT, core,
-                        hang_up, hardened_metric, observe_probes, wait_pages_idle)
+                        hang_up, hardened_metric, hardened_samples, observe_probes, wait_pages_idle)
 
 pytestmark = pytest.mark.e2e
 
@@ -239,6 +239,9 @@ def test_a_quiet_cluster_counts_no_hardening_event(fc):
     """#27's metrics before any fault: nothing refused, no page held past its time, on either
     role; on hardened Mooncake the start-up request's bounded transfer calls are counted (H6)."""
     for role in ("prefill", "decode"):
+        if not fc.hardened:
+            assert not hardened_samples(fc.cluster, role), "upstream serves none of the runtime's metrics"
+            continue
         for name in ("requests_refused_total", "holds_started_total", "transfer_sends_stopped_total"):
             assert fc.metric(role, name) == 0, (role, name)
     if fc.hardened and fc.build.backend == "mooncake":
@@ -332,6 +335,8 @@ def test_prefill_aborts_mid_transfer(fc):
     assert req.answer("prefill").status != 200 or '"abort"' in req.answer("prefill").body
 
 
+@pytest.mark.claim("H5", "upstream", params=["0.5.23-mooncake-upstream"])
+@pytest.mark.claim("H5", "hardened", params=["0.5.23-mooncake-hardened"])
 @on(BUILDS)
 def test_prefill_stopped_past_the_release_timeout(fc):
     """SIGSTOP prefill mid-write until decode has failed the request and its release timeout
@@ -408,6 +413,8 @@ def check_fails_part_way(fc: FaultCluster, fault: str, label: str, judge_pages: 
 
 
 # Upstream's gate is the same code on every base: CI shows its hold on 0.5.23.
+@pytest.mark.claim("H13", "upstream", params=["0.5.23-mooncake-upstream"])
+@pytest.mark.claim("H13", "hardened", params=["0.5.23-mooncake-hardened"])
 @on([b for b in BUILDS if b.backend == "mooncake" and (b.hardened or FULL_MATRIX or b.base == "0.5.23")])
 def test_metadata_that_never_lands(fc):
     """#28, H13 (the slot leak of upstream #31800): prefill writes the KV and reports Success,
@@ -570,6 +577,10 @@ N2_WAIT_S = 10  # a hardened server refuses n = 2 at once; upstream has not answ
 SOAK_BUILDS = [b for b in BUILDS if b.backend == "mooncake" and (FULL_MATRIX or b.base == "0.5.23")]
 
 
+@pytest.mark.claim("H11", "upstream", params=["0.5.23-mooncake-upstream"])
+@pytest.mark.claim("H11", "hardened", params=["0.5.23-mooncake-hardened"])
+@pytest.mark.claim("H12", "upstream", params=["0.5.23-mooncake-upstream"])
+@pytest.mark.claim("H12", "hardened", params=["0.5.23-mooncake-hardened"])
 @on(SOAK_BUILDS)
 def test_a_short_soak_judges_every_request_and_page(fc):
     """Hardened: every request ends with the quiet cluster's output or a named error within the

@@ -82,6 +82,7 @@ def longest_run(src: list[int], dst: list[int]) -> int:
     return best
 
 
+@pytest.mark.claim("H6", "upstream", params=["0.5.19"])
 # Upstream 0.5.19 shows both in CI: no index split (it lacks 0.5.20's) and the failed call;
 # 0.5.23 splits into index batches, and each still carries 2 x 1600 entries: it fails the same way.
 @pytest.mark.parametrize("base", ["0.5.19", "0.5.23"] if FULL_MATRIX else ["0.5.19"])
@@ -96,6 +97,7 @@ def test_upstream_fails_a_transfer_over_the_tcp_per_call_limit(base, start_clust
         assert sent.entry == pytest.approx(sent.run), "upstream 0.5.19 sends each run in one entry: no index split"
 
 
+@pytest.mark.claim("H6", "hardened", params=["0.5.19"])
 # CI: 0.5.19, whose split is the backport; 0.5.23's bounds in CI are test_h6_mooncake_tcp's.
 @pytest.mark.parametrize("base", ["0.5.19", "0.5.23"] if FULL_MATRIX else ["0.5.19"])
 def test_hardened_serves_it_in_bounded_calls(base, start_cluster, tmp_path):

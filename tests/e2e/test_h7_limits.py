@@ -26,11 +26,13 @@ UNEQUAL = dict(prefill_pool_tokens=600, decode_pool_tokens=4096, context_length=
 REFUSAL_S = 15  # decode's waiting timeout here: upstream's retries fail a request well within it
 
 
+@pytest.mark.claim("H7", "upstream")
 def test_upstream_0523_serves_with_unequal_input_limits(start_cluster):
     cluster = start_cluster(sandbox_env("0.5.23"), **UNEQUAL)  # ready = a request served through the lb
     assert cluster.generate("the key " * 8).status == 200
 
 
+@pytest.mark.claim("H7", "hardened")
 def test_hardened_0523_decode_refuses_requests_for_a_prefill_with_a_lower_limit_and_keeps_serving(start_cluster):
     """H7 across roles. Finding (review, high): on main decode raised out of its scheduler
     loop at the first request for such a prefill and SGLang shut decode down, and anyone

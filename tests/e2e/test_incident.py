@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_hardened.sandbox.env import SandboxError
-from tests.conftest import phase
+from tests.harness import phase
 
 from .conftest import sandbox_env
 from .scenarios import LEAK_PARAMS, OVERSIZED_B, TIMEOUT_PARAMS, observe_leak, observe_pair
@@ -13,6 +13,8 @@ from .scenarios import LEAK_PARAMS, OVERSIZED_B, TIMEOUT_PARAMS, observe_leak, o
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.claim("H1", "upstream", params=["mooncake"])
+@pytest.mark.claim("H2", "upstream", params=["mooncake"])
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_upstream_0519_oversized_prompt_gets_200_and_reads_other_tenants_kv(share, start_cluster, backend):
     # Mooncake's is test_probes_unsafe.py's too. NIXL's is nobody else's, and is stopped here:

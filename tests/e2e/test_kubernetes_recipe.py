@@ -20,7 +20,7 @@ from sglang_hardened.cli import main
 from sglang_hardened.sandbox import recipe
 from sglang_hardened.sandbox.cluster import healthy
 from sglang_hardened.sandbox.model import ensure_model
-from tests.conftest import CLUSTER_START, SERVER_RESTART, phase
+from tests.harness import CLUSTER_START, SERVER_RESTART, phase
 
 from .conftest import PORTS_USED, sandbox_env
 

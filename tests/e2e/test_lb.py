@@ -26,6 +26,8 @@ def hardened_lb(shared_cluster) -> str:
     return shared_cluster.add_lb("hardened", sandbox_env("0.5.23"))
 
 
+@pytest.mark.claim("H9", "upstream")
+@pytest.mark.claim("H9", "hardened")
 def test_prefill_400_reaches_the_client_at_once_through_ours_not_through_mini_lb(shared_cluster, hardened_lb):
     waiting = shared_cluster.params.waiting_timeout_s
     ours = generate(hardened_lb, OVERSIZED_B, timeout=120)

@@ -18,7 +18,7 @@ import pytest
 from sglang_hardened.sandbox.cluster import Cluster
 from sglang_hardened.sandbox.ledger import Ledger, ledger_env, wait_for, writer
 
-from tests.conftest import phase
+from tests.harness import phase
 
 from .conftest import launch, sandbox_env
 from .scenarios import SAFE_PARAMS, SLOW_PROMPT, hang_up, post, wait_pages_idle

@@ -15,7 +15,7 @@ import pytest
 
 from sglang_hardened.operations.oracle import Verdict
 from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV
-from tests.conftest import phase
+from tests.harness import phase
 
 from .conftest import sandbox_env
 from .scenarios import FITTING_C, METRICS_FLAGS, SAFE_PARAMS, hardened_metric, shows_nothing_decoded, wait_pages_idle

@@ -30,7 +30,7 @@ import pytest
 from packaging.version import Version
 
 from sglang_hardened.runtime.page_tags_seams import OTHER_RANK
-from tests.conftest import phase
+from tests.harness import phase
 
 from .conftest import sandbox_env
 from .scenarios import (DEPTH, FITTING_C, FULL_MATRIX, LEAK_PARAMS, OVERSIZED_B, TRUNC_PARAMS, observe_leak,

@@ -15,7 +15,7 @@ from sglang_hardened.operations.filler import prompt_tokens
 from sglang_hardened.operations.oracle import generate
 from sglang_hardened.sandbox.env import SandboxError
 from sglang_hardened.sandbox.ledger import Ledger, writer
-from tests.conftest import phase
+from tests.harness import phase
 
 from .conftest import record_timing, sandbox_env
 from .scenarios import (
@@ -54,6 +54,7 @@ WRONG_TYPE = {"sampling_params": {"temperature": "hot", "max_new_tokens": 4}}  #
 NULL_N = {"sampling_params": {"n": None}}  # H12: 0.5.22's schema gate lets null through
 
 
+@pytest.mark.claim("H4", "hardened", params=["0.5.23-mooncake"])
 @pytest.mark.parametrize("base,backend", core())
 def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
     """H1/H4: an over-limit prompt gets prefill's 400 at once through mini-lb, from prefill's
@@ -87,6 +88,8 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
     assert all(hardened_metric(cluster, role, "requests_refused_total", id="H12") >= 1 for role in ("prefill", "decode"))
 
 
+@pytest.mark.claim("H3", "upstream", params=["0.5.23-mooncake"])
+@pytest.mark.claim("H8", "upstream", params=["0.5.23-mooncake"])
 @pytest.mark.parametrize("base,backend", upstream_only([("0.5.23", "mooncake")]))
 def test_upstream_truncation_with_unequal_limits_reads_other_tenants_kv(start_cluster, base, backend, tmp_path):
     """H3's bug on every base: prefill truncates to its limit (506 tokens), decode keeps the
@@ -120,6 +123,7 @@ def unowned_reads(ledger_dir, tokens: int) -> list[list]:
     return found
 
 
+@pytest.mark.claim("H3", "hardened", params=["0.5.23-mooncake"])
 @pytest.mark.parametrize("base,backend", core())
 def test_hardened_truncation_with_unequal_limits_is_refused(start_cluster, base, backend, tmp_path):
     """H3: the sender fails a transfer that leaves decode pages unwritten; decode refuses a
@@ -160,6 +164,9 @@ def test_hardened_0519_without_h1_decode_still_never_reads_unwritten_pages(start
     assert wait_pages_idle(cluster, idle) == idle
 
 
+@pytest.mark.claim("H1", "upstream", params=["upstream"])
+@pytest.mark.claim("H2", "upstream", params=["upstream"])
+@pytest.mark.claim("H1", "hardened", params=["hardened-h1-without-h2-h4"])
 @pytest.mark.parametrize("build", ["upstream", "hardened-h1-without-h2-h4"])
 def test_0519_h1_keeps_a_failed_intake_from_transfer(start_cluster, tmp_path, build):
     """H1 isolated from H2 and H4, judged by the page ledger, not by the answers' status:
@@ -192,6 +199,7 @@ def test_upstream_0519_answers_a_sampling_parameter_of_the_wrong_type_with_a_bar
     assert cluster.generate(FITTING_C).status == 200, "the server lives on"
 
 
+@pytest.mark.claim("H2", "hardened")
 def test_hardened_0519_h2_alone_reports_the_pending_400(start_cluster):
     """H2 with neither H1 nor H3: the placeholder's transfer succeeds, and prefill answers
     with the pending 400 instead of the 200 upstream 0.5.19 gives."""
@@ -200,6 +208,7 @@ def test_hardened_0519_h2_alone_reports_the_pending_400(start_cluster):
     assert at_prefill.status == 400 and PREFILL_LIMIT_MESSAGE in at_prefill.body, at_prefill
 
 
+@pytest.mark.claim("H4", "upstream", params=["0.5.23-mooncake"])
 # 0.5.19 leaks instead (test_incident.py); 0.5.20 waits after a one-token forward.
 @pytest.mark.parametrize("base,backend", upstream_only([("0.5.23", "mooncake")], bases_from="0.5.20"))
 def test_upstream_oversized_prompt_client_waits_for_decode_timeout(share, base, backend):

@@ -17,7 +17,7 @@ import pytest
 
 from sglang_hardened.runtime.page_tags import FAIL_CLOSED_ENV
 from sglang_hardened.sandbox.env import overlay_module
-from tests.conftest import SERVER_RESTART, phase
+from tests.harness import SERVER_RESTART, phase
 
 from .conftest import sandbox_env
 from .scenarios import (
@@ -53,6 +53,7 @@ UPSTREAM_FAULTS = [pair for pair in FAULTS if FULL_MATRIX or pair[1] == "mooncak
 FAULT_PROBE = prompt_of(17)
 
 
+@pytest.mark.claim("H8", "hardened", params=["0.5.23-16-mooncake"])
 # 0.5.19's paged allocator needs Triton (no CPU path) for pages over one token. NIXL writes the
 # tags two ways: joined to the chunk's handles (0.5.23) or waited for before the KV (0.5.19-0.5.22).
 # 0.5.23 NIXL with 16-token pages runs in the full matrix: CI has 16-token pages on Mooncake,

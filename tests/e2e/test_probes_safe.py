@@ -14,6 +14,8 @@ CLUSTER = ("0.5.23", True, dict(prefill_pool_tokens=2048, decode_pool_tokens=409
                                 via_launch=True))
 
 
+@pytest.mark.claim("H0", "hardened")
+@pytest.mark.claim("H10", "hardened")
 def test_preflight_passes_a_safe_deployment(shared_cluster):
     report = preflight([shared_cluster.prefill_url], [shared_cluster.decode_url])
     assert report.ok, report.findings

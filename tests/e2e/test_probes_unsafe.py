@@ -54,6 +54,6 @@ def test_canary_fails_the_leaking_deployment(shared_cluster):
     assert not report.ok
     assert not checks["over-pool prompt"].ok and "200" in checks["over-pool prompt"].detail
     assert not checks["over-pool probe independent of the previous tenant"].ok
-    # the tiny model never repeats a canary: that check is shown failing in tests/test_probes_judge.py
+    # the tiny model never repeats a canary: that check is shown failing in tests/integration/test_probes_judge.py
     assert checks["no tenant sees another's canary"].result == "n/a"
     assert report.requests <= 120

@@ -1,13 +1,13 @@
 """The rebase job's output serves: 0.5.20's series carried onto 0.5.21 (the backports
 upstream already has dropped) builds, and a real PD cluster from it handles the incident prompt.
-(0.5.19's series needs a human on 0.5.21: tests/test_rebase.py.)"""
+(0.5.19's series needs a human on 0.5.21: tests/integration/test_rebase.py.)"""
 
 from __future__ import annotations
 
 import pytest
 
 from sglang_hardened.pipeline.rebase import UPSTREAM, rebase, write_series
-from tests.conftest import phase
+from tests.harness import phase
 
 from .conftest import sandbox_env
 from .scenarios import DEPTH, TIMEOUT_PARAMS, before_decode_gives_up, observe_oversized_via_lb, wait_pages_idle
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 def test_series_rebased_onto_0_5_21_passes_the_oversized_prompt_scenario(start_cluster, tree_copy, drop_base,
                                                                            drop_ids, drop_patches):
     drop_base("0.5.21")
-    drop_ids("0.5.20", "H8")  # its seams are per-base variants (tests/test_rebase.py)
+    drop_ids("0.5.20", "H8")  # its seams are per-base variants (tests/integration/test_rebase.py)
     drop_patches("0.5.20", "0023-h5-nixl-drain-ack-after-writes-settle.patch",  # likewise,
                  "0024-h5-backport-nixl-rejected-post.patch",  # what builds on it,
                  "0033-h5-hold-and-release-together-across-ranks.patch")  # and H5's rank agreement

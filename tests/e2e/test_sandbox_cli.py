@@ -13,7 +13,7 @@ import pytest
 from sglang_hardened.operations.oracle import generate
 from sglang_hardened.sandbox.cluster import marked_pids, port_in_use
 from sglang_hardened.sandbox.soak.plan import FAULTS
-from tests.conftest import CLUSTER_START, REPO, SERVER_RESTART, phase
+from tests.harness import CLUSTER_START, REPO, SERVER_RESTART, phase
 
 pytestmark = pytest.mark.e2e
 CLI = [sys.executable, "-c", "from sglang_hardened.sandbox.cli import sandbox; sandbox()"]

@@ -23,7 +23,7 @@ import pytest
 from sglang_hardened.sandbox.cluster import Cluster
 from sglang_hardened.sandbox.ledger import Ledger, ledger_env, wait_for, writer
 
-from tests.conftest import phase
+from tests.harness import phase
 
 from .conftest import record_timing, sandbox_env
 from .scenarios import (

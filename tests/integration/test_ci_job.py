@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.harness import REPO
 
 # `gh` and `git`'s publishing verbs stand in for GitHub: they record each call (and a body
 # file's text) and answer as a repository with no open pull request or issue would; every

@@ -22,7 +22,7 @@ from sglang_hardened.pipeline.lock import get_pin
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.pipeline.wheelfile import read_members
 from sglang_hardened.runtime import rank_agreement
-from tests.test_rank_agreement import on_ranks
+from tests.integration.test_rank_agreement import on_ranks
 
 DECODE = "sglang/srt/disaggregation/decode.py"
 UTILS = "sglang/srt/disaggregation/utils.py"  # 0.5.23's all_reduce_flags

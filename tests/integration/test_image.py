@@ -6,7 +6,7 @@ by tests/image/substitute-base. The build and the runs inside the image
 happen under `unshare --net`, so nothing can be fetched: the Dockerfile
 installs what the build context holds and nothing else.
 
-    python -m pytest tests/test_image.py -q      # or: -m image / -m "not image"
+    python -m pytest tests/integration/test_image.py -q      # or: -m image / -m "not image"
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.pipeline.stamp import hardened_version
 from sglang_hardened.runtime.policy import knobs_for
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.harness import REPO
 BASE = "0.5.23"
 TAG = "localhost/sglang-hardened-test:latest"
 ENV = {**os.environ, "BUILDAH_ISOLATION": "chroot"}

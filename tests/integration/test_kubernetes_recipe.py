@@ -28,10 +28,11 @@ from sglang_hardened.image.build import default_tag
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.pipeline.stamp import hardened_version
 from sglang_hardened.sandbox.recipe import RECIPE, pod_templates, render
+from tests.harness import REPO
 
 PARAMS = RECIPE / "params" / "params.env"
 OVERLAYS = ("lws", "rbg")
-CRDS = Path(__file__).parent / "kubernetes" / "crds"
+CRDS = REPO / "tests" / "kubernetes" / "crds"
 KUBERNETES = "1.32.0"  # the schemas built-in kinds are validated against (kubectl here is 1.32)
 WORKLOADS = {"LeaderWorkerSet": "spec.leaderWorkerTemplate.workerTemplate",
              "RoleBasedGroup": "spec.roles[].standalonePattern.template"}

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from sglang_hardened.lb.routing import ENTRY_POINT_GROUP, load_policy
 from sglang_hardened.sandbox.cluster import free_port
-from tests.conftest import eventually
+from tests.harness import eventually
 
 # Times are bounds tied to what the stand-ins and the lb are configured with, not to the
 # host's speed: "at once" is "well before the slow role would have answered".

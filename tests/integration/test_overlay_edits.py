@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from sglang_hardened.sandbox.env import Overlay, SandboxError, upstream_wheel
+from tests.harness import REPO
 
-OVERLAY = Overlay((Path(__file__).parent / "cpu_overlay").resolve())
+OVERLAY = Overlay((REPO / "tests" / "cpu_overlay").resolve())
 
 
 def _overlay(tmp_path: Path, edits: str) -> Overlay:

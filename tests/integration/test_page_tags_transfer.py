@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from sglang_hardened.sandbox.env import build_env, wheels_for
+from tests.harness import REPO
 
-TESTS = Path(__file__).parent
+TESTS = REPO / "tests"
 PEER = TESTS / "page_tags" / "peer.py"
 ROOM_A, ROOM_B = 2**63 - 1, 41  # the largest room SGLang draws, and a small one
 

@@ -12,8 +12,9 @@ from pathlib import Path
 from sglang_hardened.pipeline.lock import load_lock
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.pipeline.stamp import hardened_version
+from tests.harness import REPO
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = REPO / "README.md"
 
 
 def install_lines() -> list[str]:

@@ -16,7 +16,7 @@ import pytest
 
 from sglang_hardened.runtime import nixl_drain, release_guard
 from sglang_hardened.runtime.release_guard import GONE, RUNNING, SILENT, PeerWatch, probe
-from tests.conftest import eventually
+from tests.harness import eventually
 
 # A prefill rank's endpoint is a ZMQ socket, whose I/O thread greets each new connection
 # with the ZMTP signature. Stand-in (pyzmq is not in the tool's environment): a process

@@ -16,8 +16,8 @@ from sglang_hardened.runtime.page_tags import DecodePageTags
 from sglang_hardened.runtime.coverage import SHORTFALL
 from sglang_hardened.runtime.warmup import FAKE_BOOTSTRAP_HOST
 from sglang_hardened.runtime.outcomes import OutcomeLog, Verdicts
-from tests.conftest import eventually
-from tests.test_page_tags_seams import ROOM, decode_req
+from tests.harness import eventually
+from tests.unit.test_page_tags_seams import ROOM, decode_req
 
 WAIT_S = 30.0  # a long poll's deadline, far beyond the outcome's 0.2 s
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tests.conftest import REPO
+from tests.harness import REPO
 
 PACKAGE = REPO / "sglang_hardened"
 ROW = re.compile(r"^\| (\w+) \| `sglang_hardened/(\w+)/` \|[^|]*\| (.*) \|$", re.M)

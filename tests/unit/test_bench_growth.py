@@ -8,8 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
+from tests.harness import REPO
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = REPO / "benchmarks"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -6,8 +6,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from tests.harness import REPO
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = REPO / "benchmarks"
 
 
 @pytest.fixture

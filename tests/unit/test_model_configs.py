@@ -21,7 +21,7 @@ from sglang_hardened.model.configs import (
     Switch,
     parse_config,
 )
-from tests.model_results import check
+from tests.unit.model_results import check
 
 HARDENED = [n for n in NAMED if n.startswith("hardened-")]
 

@@ -20,7 +20,7 @@ from sglang_hardened.model.configs import NAMED
 from sglang_hardened.model.machine import Machine
 from sglang_hardened.model.report import format_finding
 from sglang_hardened.model.state import D_RUN, PRIOR, Kind, initial_state
-from tests.model_results import check
+from tests.unit.model_results import check
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from sglang_hardened.model.checker import CheckResult, explore
 from sglang_hardened.model.configs import SCENARIOS, parse_config
 from sglang_hardened.model.machine import FAULT, Machine, Step
 from sglang_hardened.model.state import D_WAIT, P_DONE, State
-from tests.model_results import check
+from tests.unit.model_results import check
 
 
 class _Without(Machine):

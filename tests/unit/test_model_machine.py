@@ -21,6 +21,7 @@ from sglang_hardened.model.state import (
     State,
     initial_state,
 )
+from tests.harness import REPO
 
 OVER_POOL, TRUNCATION, ABORT_REUSE, OVER_POOL_TP2 = SCENARIOS
 
@@ -155,7 +156,7 @@ def _edges(m: Machine, limit: int) -> Iterator[tuple[State, Step]]:
 
 
 def test_every_action_is_reachable_described_and_documented() -> None:
-    doc = (Path(__file__).parents[1] / "docs" / "model.md").read_text()
+    doc = (REPO / "docs" / "model.md").read_text()
     seen: set[str] = set()
     for sc in SCENARIOS:
         for switches in (ALL, frozenset(), frozenset({Switch.H2})):

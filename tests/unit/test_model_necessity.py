@@ -9,7 +9,7 @@ from sglang_hardened.model import necessity
 from sglang_hardened.model.cli import model
 from sglang_hardened.model.configs import ALL, COVERED_BY, Agreement, Switch
 from sglang_hardened.model.necessity import ItemVerdict, agreement_verdict, kinds_at, verdict
-from tests.model_results import check
+from tests.unit.model_results import check
 
 #: What turning each uncovered item off alone breaks, and why it must.
 NEEDED = {

@@ -18,7 +18,7 @@ from sglang_hardened.model.state import (
     State,
     initial_state,
 )
-from tests.model_results import check
+from tests.unit.model_results import check
 
 (TP2,) = [sc for sc in SCENARIOS if sc.ranks == 2]
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from sglang_hardened.runtime import nixl_drain
-from tests.conftest import eventually
+from tests.harness import eventually
 
 
 class Agent:

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from sglang_hardened.runtime.page_tags import (ROW_PATHS, FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch,
                                                SourceTags, TagBuffer)
 from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV, CostMeter, read_cost_lines
 from sglang_hardened.runtime.policy import load_limits
+from tests.harness import REPO
 
 DECODE_PAGES = 12
 PREFILL_PAGES = 6
@@ -131,7 +132,6 @@ OPS = ("new",) * 4 + ("send",) * 4 + ("check",) * 3 + (
 
 
 @both_paths
-@settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 2**16), st.integers(0, 2**16)),
                 min_size=4, max_size=60))
 def test_a_read_is_allowed_exactly_when_every_page_carries_the_readers_current_tag(path, ops):
@@ -330,7 +330,7 @@ def test_a_thread_past_the_last_lane_is_refused():
 
 
 def test_gpu_benchmark_runs_its_code_path_on_cpu_at_small_sizes(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from gpu_page_tags import measure
 
     result = measure(torch.device("cpu"), pool_tokens=4096, page_size=16, batch=8,

@@ -2,7 +2,7 @@
 tag writes before it restamps (#21.10's fix) must not let one stalled decode stop the lane.
 
 Stand-in: the agent's write states are set by the test (a write that stays in flight needs a
-stalled peer; tests/test_page_tags_transfer.py runs the same seam over real NIXL UCX).
+stalled peer; tests/integration/test_page_tags_transfer.py runs the same seam over real NIXL UCX).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang_hardened.sandbox.env import overlay_module
-from tests.conftest import eventually
+from tests.harness import eventually
 
 faults = overlay_module("sgl_faults")
 PAGE = 2
