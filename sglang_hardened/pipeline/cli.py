@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import click
+from packaging.version import InvalidVersion, Version
 
 from .. import __version__
 from ..common.errors import HardenedError
@@ -138,8 +139,21 @@ def upstream() -> None:
     """
 
 
+def _releases(_ctx: click.Context, _param: click.Parameter, value: str | None) -> list[Version] | None:
+    """--releases as versions; None (not given): ask the index."""
+    if value is None:
+        return None
+    try:
+        return [Version(v) for v in value.split(",")]
+    except InvalidVersion as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 @upstream.command("check")
-def upstream_check() -> None:
+@click.option("--releases", envvar="SGLANG_HARDENED_UPSTREAM_RELEASES", show_envvar=True, callback=_releases,
+              help="Comma-separated releases to take as the index's list instead of asking it "
+                   "(a fixed upstream for tests; ci/upstream-rebase passes the variable on).")
+def upstream_check(releases: list[Version] | None) -> None:
     """List releases newer than the newest supported base (exit 0 either way).
 
     \b
@@ -148,7 +162,7 @@ def upstream_check() -> None:
     """
     from .upstream import newer_releases
 
-    newer = newer_releases(patches_dir())
+    newer = newer_releases(patches_dir(), releases)
     click.echo("\n".join(newer) if newer else "no release newer than the newest supported base")
 
 

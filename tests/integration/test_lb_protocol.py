@@ -16,6 +16,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -31,6 +33,9 @@ SLOW_S = 20  # a stand-in role that answers late
 GRACE_S = 5  # the lb's --transfer-grace
 STREAM_EVENTS, STREAM_GAP_S = 100, 0.1  # a 10 s decode stream
 BODY_TIMEOUT_S, MAX_REQUESTS, MAX_ANSWER_BYTES = 2, 3, 1_000_000
+START_S = 30  # the lb's start, its workers' first health checks included
+LISTENING = "sglang-hardened lb on http://"  # what the lb logs once its port is bound
+PORT_TRIES = 5
 
 
 @dataclass
@@ -105,10 +110,9 @@ class Stands:
         app.router.add_get("/server_info", role.server_info)
         runner = web.AppRunner(app, shutdown_timeout=1)
         await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()  # the site binds a free port itself: no race for it
         self.runners.append(runner)
-        return port
+        return runner.addresses[0][1]
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self._close(), self.loop).result()
@@ -124,19 +128,43 @@ class Stands:
 
 
 class Lb:
-    """`sglang-hardened lb` as a real child process in front of the stand-ins."""
+    """`sglang-hardened lb` as a real child process in front of the stand-ins.
+
+    Its port is picked free by bind-then-close (the lb says which port it bound only as given),
+    so another process may take it first: the lb then exits saying so, and starts again on
+    another. It is up once it logs that it listens, not once the port answers: that could be
+    whoever won the port. Its health checks keep the lb's default interval, which is also each
+    check's timeout: a shorter one marks a stand-in a loaded host answers late unhealthy."""
 
     def __init__(self, prefill: list[str], decode: list[str], *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "sglang_hardened", "lb", "--port", str(self.port), "--health-interval", "0.5",
-               *[a for p in prefill for a in ("--prefill", f"{p},8998")],
-               *[a for d in decode for a in ("--decode", d)], *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 30
-        while not _up(self.url):
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.proc.stdout.read()
-            time.sleep(0.1)
+        for _ in range(PORT_TRIES):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            cmd = [sys.executable, "-m", "sglang_hardened", "lb", "--port", str(self.port),
+                   *[a for p in prefill for a in ("--prefill", f"{p},8998")],
+                   *[a for d in decode for a in ("--decode", d)], *flags]
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self.lines: list[str] = []
+            self.reader = threading.Thread(target=self._read, daemon=True)
+            self.reader.start()
+            started = eventually(lambda: self.listening() or self.proc.poll() is not None, START_S)
+            if started and self.listening():
+                return
+            self.stop()
+            assert "address already in use" in self.log(), self.log()  # only a lost race for the port is retried
+        pytest.fail(f"the lb lost the race for a free port {PORT_TRIES} times")
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def listening(self) -> bool:
+        return any(LISTENING in line for line in self.lines)
+
+    def log(self) -> str:
+        """All the lb printed; once it has stopped."""
+        self.reader.join()
+        return "".join(self.lines)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -162,14 +190,16 @@ def post(url: str, body: bytes, path: str = "/generate", timeout: float = 30) ->
         return e.code, e.read(), time.monotonic() - start
 
 
-def send_and_leave(url: str, payload: dict, after_s: float) -> None:
-    """A client that sends a request and closes its connection ``after_s`` later."""
+@contextmanager
+def open_request(url: str, payload: dict) -> Iterator[socket.socket]:
+    """A client's connection with a /generate request sent on it; leaving the block is the client
+    going away."""
     body = json.dumps(payload).encode()
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        time.sleep(after_s)
+        yield s
 
 
 @pytest.fixture
@@ -218,9 +248,7 @@ def test_prefill_400_reaches_the_client_at_once_and_decode_is_aborted(rig):
     status, body, seconds = post(lb.url, b'{"text": "x"}')
     assert (status, json.loads(body)["error"]["message"]) == (400, "too long") and seconds < SLOW_S / 2
     decode = stands.roles["decode"]
-    deadline = time.monotonic() + 5
-    while not decode.aborts and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert eventually(lambda: decode.aborts)
     assert [rid for rid, _ in decode.aborts] == [decode.requests[0]["rid"]]
     assert stands.roles["prefill"].aborts == []
 
@@ -243,12 +271,11 @@ def test_decode_error_first_wins_and_prefill_is_left_to_finish(rig):
 @roles(Role(delay_s=3), Role(delay_s=SLOW_S))
 def test_disconnect_before_the_send_ended_waits_for_prefill_then_aborts_decode(rig):
     stands, lb = rig
-    send_and_leave(lb.url, {"text": "x"}, after_s=0.5)
     decode, prefill = stands.roles["decode"], stands.roles["prefill"]
-    deadline = time.monotonic() + 10
-    while not decode.aborts and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert decode.aborts and prefill.answered_at is not None
+    with open_request(lb.url, {"text": "x"}):
+        assert eventually(lambda: prefill.requests and decode.requests)  # the client leaves once both have it
+    assert eventually(lambda: decode.aborts, SLOW_S)
+    assert prefill.answered_at is not None
     assert decode.aborts[0][1] >= prefill.answered_at  # never while prefill may still be sending
     assert prefill.aborts == []
 
@@ -256,36 +283,40 @@ def test_disconnect_before_the_send_ended_waits_for_prefill_then_aborts_decode(r
 @roles(Role(delay_s=SLOW_S), Role(delay_s=SLOW_S))
 def test_disconnect_with_a_send_past_the_grace_cancels_both_roles(rig):
     stands, lb = rig
+    decode, prefill = stands.roles["decode"], stands.roles["prefill"]
     t0 = time.monotonic()
-    send_and_leave(lb.url, {"text": "x"}, after_s=0.5)
-    deadline = time.monotonic() + SLOW_S
-    while not stands.roles["decode"].aborts and time.monotonic() < deadline:
-        time.sleep(0.05)
-    (_, at), = stands.roles["decode"].aborts
+    with open_request(lb.url, {"text": "x"}):
+        assert eventually(lambda: prefill.requests and decode.requests)  # the client leaves once both have it
+    assert eventually(lambda: decode.aborts, SLOW_S)
+    (_, at), = decode.aborts
     assert GRACE_S <= at - t0 < SLOW_S, "cancelled at the grace, not before it and not at the send's end"
-    assert len(stands.roles["prefill"].aborts) == 1
+    assert len(prefill.aborts) == 1
 
 
 @roles(Role(), Role(events=[{"text": str(i)} for i in range(STREAM_EVENTS)], event_gap_s=STREAM_GAP_S))
 def test_disconnect_mid_stream_aborts_decode_at_once(rig):
     stands, lb = rig
-    send_and_leave(lb.url, {"text": "x", "stream": True}, after_s=1.0)
-    left = time.monotonic()
+    with open_request(lb.url, {"text": "x", "stream": True}) as client:
+        client.settimeout(SLOW_S)
+        received = b""
+        while b"data:" not in received:  # the client leaves once the stream reaches it
+            chunk = client.recv(4096)
+            assert chunk, received
+            received += chunk
     decode = stands.roles["decode"]
-    deadline = left + 5
-    while not decode.aborts and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert decode.aborts and decode.aborts[0][1] - left < STREAM_EVENTS * STREAM_GAP_S / 4, "at once, not at the stream's end"
+    assert eventually(lambda: decode.aborts, SLOW_S)
+    # decode's stream takes STREAM_EVENTS x STREAM_GAP_S; it would have ended before a late abort
+    assert decode.answered_at is None or decode.aborts[0][1] < decode.answered_at, "at once, not at the stream's end"
     assert stands.roles["prefill"].aborts == []
 
 
 @roles(Role(), Role(delay_s=2))
 def test_sigterm_drains_open_requests_and_stops_listening(rig):
-    _, lb = rig
+    stands, lb = rig
     result: list = []
     client = threading.Thread(target=lambda: result.append(post(lb.url, b'{"text": "x"}')))
     client.start()
-    time.sleep(0.5)
+    assert eventually(lambda: stands.roles["decode"].requests)  # open in the lb
     lb.proc.send_signal(signal.SIGTERM)
     client.join()
     assert result[0][0] == 200
@@ -294,17 +325,19 @@ def test_sigterm_drains_open_requests_and_stops_listening(rig):
 
 
 def test_unhealthy_workers_get_no_requests_and_streams_relay_whole():
-    good, spare = Role(events=[{"text": "a"}, {"text": "b"}]), Role()
+    good = Role(events=[{"text": "a"}, {"text": "b"}])
     stands = Stands(Role(), good)
-    lb = Lb([stands.roles["prefill"].url], [good.url, f"http://127.0.0.1:{free_port()}"])
-    try:
-        for _ in range(6):
-            status, body, _ = post(lb.url, b'{"text": "x", "stream": true}')
-            assert status == 200 and body.count(b"data:") == 3
-        assert len(good.requests) == 6 and spare.requests == []
-    finally:
-        lb.stop()
-        stands.close()
+    with socket.socket() as dead:  # bound, never listening: refuses connections, and no one else gets its port
+        dead.bind(("127.0.0.1", 0))
+        lb = Lb([stands.roles["prefill"].url], [good.url, f"http://127.0.0.1:{dead.getsockname()[1]}"])
+        try:
+            for _ in range(6):
+                status, body, _ = post(lb.url, b'{"text": "x", "stream": true}')
+                assert status == 200 and body.count(b"data:") == 3
+            assert len(good.requests) == 6  # the dead one got none of the six
+        finally:
+            lb.stop()
+            stands.close()
 
 
 class Pinned:
@@ -411,7 +444,7 @@ def test_the_lb_says_when_a_worker_is_not_hardened(rig):
     stands, lb = rig
     assert post(lb.url, b'{"text": "x"}')[0] == 200  # it serves either way
     lb.stop()
-    log = lb.proc.stdout.read()
+    log = lb.log()
     for role in stands.roles.values():
         assert f"{role.url} {NOT_HARDENED}" in log, log
 
@@ -421,4 +454,4 @@ def test_hardened_workers_get_no_such_warning(rig):
     _, lb = rig
     assert post(lb.url, b'{"text": "x"}')[0] == 200
     lb.stop()
-    assert NOT_HARDENED not in lb.proc.stdout.read()
+    assert NOT_HARDENED not in lb.log()

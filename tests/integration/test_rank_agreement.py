@@ -6,7 +6,7 @@ for everyone (tests/e2e/test_multi_rank.py shows both on clusters)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
+import tempfile
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -25,14 +25,8 @@ from tests.unit.test_source_hold import Sender
 RANKS = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, port: int, job: Callable[[int, dist.ProcessGroup], object], out) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=RANKS)
+def _rank(rank: int, init_method: str, job: Callable[[int, dist.ProcessGroup], object], out) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=RANKS)
     try:
         out.put((rank, job(rank, dist.new_group(backend="gloo"))))
     finally:
@@ -40,15 +34,19 @@ def _rank(rank: int, port: int, job: Callable[[int, dist.ProcessGroup], object],
 
 
 def on_ranks(job: Callable[[int, dist.ProcessGroup], object]) -> list[object]:
-    """``job(rank, group)`` on each of two gloo ranks; their results by rank."""
+    """``job(rank, group)`` on each of two gloo ranks; their results by rank. They meet through a
+    file, not a TCP port picked free in advance, which another process could take first (gloo's
+    own connections bind ports of the kernel's choosing)."""
     ctx = mp.get_context("fork")
-    out, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank, args=(rank, port, job, out)) for rank in range(RANKS)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(30)
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as rendezvous:
+        init_method = f"file://{rendezvous}/store"
+        procs = [ctx.Process(target=_rank, args=(rank, init_method, job, out)) for rank in range(RANKS)]
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(30)
     return [results[rank] for rank in range(RANKS)]
 
 

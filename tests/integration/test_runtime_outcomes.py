@@ -6,6 +6,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,16 @@ WAIT_S = 30.0  # a long poll's deadline, far beyond the outcome's 0.2 s
 
 TOO_LONG = ("Input length (601 tokens) exceeds the maximum allowed length (250 tokens). "
             "Use a shorter input or enable --allow-auto-truncate.")
+
+
+async def until(pred: Callable[[], bool]) -> None:
+    """``eventually`` for a test on the event loop that changes the state: waits without blocking
+    it (and fails, after WAIT_S, by timing out)."""
+    async def poll() -> None:
+        while not pred():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), WAIT_S)
 
 
 def test_outcome_log_long_poll_wakes_on_a_new_outcome():
@@ -117,18 +128,22 @@ def test_outcomes_route_serves_the_log_and_refuses_a_malformed_position(monkeypa
 
 
 def test_long_polls_hold_no_thread_and_are_capped(monkeypatch):
-    """Finding (review): each poll held an executor thread for its 5 s, with no cap."""
+    """Finding (review): each poll held an executor thread for its 5 s, with no cap. The polls wait
+    until an outcome ends them, not for a deadline: on a slow host early ones would end before
+    the last one arrived."""
     monkeypatch.delenv(outcomes.TOKEN_ENV, raising=False)
     monkeypatch.setattr(outcomes, "POLLS_MAX", 20)
-    monkeypatch.setattr(outcomes, "LONG_POLL_S", 1.0)
+    monkeypatch.setattr(outcomes, "LONG_POLL_S", WAIT_S)
+    log = OutcomeLog()
 
     async def run():
-        async with _route_client(monkeypatch) as client:
+        async with _route_client(monkeypatch, log) as client:
             before = threading.active_count()
             polls = [asyncio.ensure_future(client.get(outcomes.OUTCOMES_ROUTE)) for _ in range(20)]
-            await asyncio.sleep(0.3)
+            await until(lambda: len(log._waiters) == 20)
             during = threading.active_count()
             over = await client.get(outcomes.OUTCOMES_ROUTE)
+            log.add(7, 400, TOO_LONG)
             answers = await asyncio.gather(*polls)
             return before, during, over.status, [a.status for a in answers]
 
@@ -164,7 +179,7 @@ def test_a_burst_of_outcomes_reaches_a_follower_in_a_few_replies_not_one_each(mo
                 return replies
 
             followers = [asyncio.ensure_future(follow()) for _ in range(4)]
-            await asyncio.sleep(0.2)  # every follower waits in its first poll
+            await until(lambda: len(log._waiters) == 4)  # every follower waits in its first poll
             took = await asyncio.to_thread(burst)
             return took, await asyncio.wait_for(asyncio.gather(*followers), 10)  # a lost outcome fails, not hangs
 
@@ -323,14 +338,13 @@ def test_a_malformed_reply_is_logged_and_the_watcher_keeps_following(bad, prefil
     assert f"cannot read outcomes from prefill {addr}" in caplog.text
 
 
-def test_a_404_is_asked_again_so_a_prefill_upgraded_in_place_is_followed(prefill_stand_in, watchers, monkeypatch):
-    monkeypatch.setattr(outcomes, "RECHECK_S", 0.3)
+def test_a_404_is_asked_again_so_a_prefill_upgraded_in_place_is_followed(prefill_stand_in, watchers):
     addr, asked = prefill_stand_in((404, b""), GOOD)
     _watch(addr)
     assert eventually(lambda: not watchers and asked)  # stopped after the 404
     _watch(addr)
     assert addr not in watchers, "not asked again before RECHECK_S"
-    time.sleep(0.35)
+    outcomes._not_hardened[addr] -= outcomes.RECHECK_S  # as if RECHECK_S had passed since the 404
     _watch(addr)
     assert eventually(lambda: outcomes.VERDICTS.get(7) is not None)
 
@@ -338,8 +352,8 @@ def test_a_404_is_asked_again_so_a_prefill_upgraded_in_place_is_followed(prefill
 def test_only_prefills_decode_bootstrapped_from_are_followed(prefill_stand_in, watchers):
     addr, asked = prefill_stand_in(GOOD)
     outcomes._ensure_watching(addr, set())  # named by a request, never bootstrapped from
-    time.sleep(0.2)
-    assert not watchers and not asked
+    # no watcher thread started, so none can ask later
+    assert not watchers and not asked and f"hardened-h4-{addr}" not in {t.name for t in threading.enumerate()}
 
 
 def test_watchers_are_capped_and_stop_when_no_request_names_their_prefill(prefill_stand_in, watchers, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 
 from sglang_hardened.common.errors import HardenedError
 from sglang_hardened.operations.launch import plan
-from sglang_hardened.runtime.policy import knobs_for, load_limits, load_policy
+from sglang_hardened.runtime.policy import knobs_for, load_policy
 from sglang_hardened.runtime.transfer_bounds import LINK_RATE_ENV, MAX_ENTRIES_ENV
 
 DEFERRED = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
@@ -57,12 +57,12 @@ def test_launch_dry_run_prints_the_command(run_cli):
 
 
 def test_transfer_bounds_are_set_on_every_base_from_the_policy_limits(bases):
-    limits = load_limits("H6")
     for base in bases:
         env = plan(base, PD, {}).env
-        assert int(env["SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"]) > 0  # upstream's 0 is unbounded
-        assert env[MAX_ENTRIES_ENV] == str(limits["max_entries_per_call"])
-        assert env[LINK_RATE_ENV] == str(limits["link_rate_bytes_per_s"])
+        # policy.yaml: 1024 pages per batch (upstream's 0 is unbounded), 1024 entries per call,
+        # 125,000,000 B/s (1 Gbit/s)
+        assert env["SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"] == "1024"
+        assert (env[MAX_ENTRIES_ENV], env[LINK_RATE_ENV]) == ("1024", "125000000")
 
 
 def test_policy_show_prints_the_transfer_bounds(run_cli):

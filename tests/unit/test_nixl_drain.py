@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -91,9 +92,9 @@ def test_a_rejected_post_is_acked_one_release_timeout_after_its_handles_settled(
     started = time.monotonic()
     nixl_drain.take_rejected(mgr, 5, ["kv"])
     mgr._maybe_ack_drained_abort(5)  # upstream's own attempt right after the rejection
-    assert mgr.acks == []
     assert eventually(lambda: mgr.acks == [(5, "decode-0")])
-    assert time.monotonic() - started >= timeout_s
+    # an order, not "no ack yet" just after: a slow host may reach that line past the timeout
+    assert time.monotonic() - started >= timeout_s, "acked before the release timeout (by upstream's attempt?)"
 
 
 def test_a_handle_that_cannot_be_read_keeps_the_ack_back(timeout_s, caplog):
@@ -115,10 +116,17 @@ def test_without_deferred_release_upstream_keeps_its_unbounded_wait_and_its_own_
     assert mgr.failures == [] and not nixl_drain.holds(mgr, 4)
 
 
-def test_the_healthy_wait_ends_at_the_release_timeout(timeout_s):
+def test_the_healthy_wait_ends_at_the_release_timeout(timeout_s, monkeypatch):
+    """On a clock the test sets: "not passed yet" on the real one holds only if the next line runs
+    within the 0.5 s timeout."""
+    clock = [100.0]
+    monkeypatch.setattr(nixl_drain, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=time.sleep))
     until = nixl_drain.deadline(Manager())
+    assert until == 100.5  # now + the 0.5 s release timeout
+    clock[0] = 100.499
     assert not nixl_drain.passed(until)
-    assert eventually(lambda: nixl_drain.passed(until), timeout_s=timeout_s + 1)
+    clock[0] = 100.5
+    assert nixl_drain.passed(until)
 
 
 

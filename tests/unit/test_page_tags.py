@@ -385,7 +385,7 @@ def test_a_stamp_made_while_another_worker_writes_the_cost_line_is_counted(caplo
         def emit(self, record: logging.LogRecord) -> None:
             if not other_worker.is_alive() and other_worker.ident is None:
                 other_worker.start()
-                other_worker.join(timeout=2)  # a worker blocked on this line's lock would hang it
+                other_worker.join(timeout=30)  # a worker blocked on this line's lock would hang it; a slow one passes
 
     handler = StampWhileWriting()
     logging.getLogger("sglang_hardened").addHandler(handler)

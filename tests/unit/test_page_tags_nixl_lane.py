@@ -63,17 +63,18 @@ def send(mgr, room: int, peer: str) -> tuple[list, float]:
 
 
 def test_a_stalled_decode_costs_the_lane_one_wait_not_every_later_room(manager):
+    """Whether a send waited is told by its polls, not the clock: a wait polls until the timeout."""
     send(manager, 1, "decode-a")  # its tag write never settles: decode-a is stalled
     handles, waited = send(manager, 2, "decode-b")  # restamping waits for room 1's write, once
     assert handles and TIMEOUT_S <= waited
     for room in (3, 4):  # other values again: room 2's write settled, room 1's is not awaited again
         polls = manager.agent.polls
-        handles, waited = send(manager, room, "decode-b")
-        assert handles and waited < TIMEOUT_S and manager.agent.polls - polls == 1
+        handles, _ = send(manager, room, "decode-b")
+        assert handles and manager.agent.polls - polls == 1  # the room before's write, found DONE
 
 
 def test_the_same_rooms_next_chunk_does_not_wait_for_its_first(manager):
     send(manager, 1, "decode-a")
-    handles, waited = send(manager, 1, "decode-a")
-    assert handles and waited < TIMEOUT_S and manager.agent.polls == 0
+    handles, _ = send(manager, 1, "decode-a")
+    assert handles and manager.agent.polls == 0  # no write polled: no wait
     assert len(manager.hardened_tag_writes[id(manager.hardened_tags.lane())][1]) == 2

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from sglang_hardened.sandbox import cluster
 from sglang_hardened.sandbox.cluster import (DP_LM_HEAD_ON_CPU, ClusterParams, child_env, cpu_flags, parallel_flags,
                                              rank_cores)
 from sglang_hardened.sandbox.env import SandboxEnv, SandboxError
@@ -17,20 +16,25 @@ def test_one_rank_adds_no_flag_and_no_binding(tmp_path):
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in child_env(SandboxEnv("0.5.23", tmp_path / "python", ()), p, "r", role="decode")
 
 
-def test_each_role_gets_its_own_tp_size_and_cores(tmp_path):
+@pytest.fixture
+def three_cores(monkeypatch) -> None:
+    """This process may run on cores 1, 3 and 8 (a set: no order of its own)."""
+    monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda _pid: {8, 1, 3})
+
+
+def test_each_role_gets_its_own_tp_size_and_cores(tmp_path, three_cores):
     p = ClusterParams(base="0.5.23", tp=2, decode_tp=1)
     assert parallel_flags(p, "prefill") == ["--tp-size", "2"] and parallel_flags(p, "decode") == []
     env = SandboxEnv("0.5.23", tmp_path / "python", ())
-    cores = sorted(os.sched_getaffinity(0))
-    assert child_env(env, p, "r", role="prefill")["SGLANG_CPU_OMP_THREADS_BIND"] == f"{cores[0]}|{cores[1 % len(cores)]}"
+    # prefill's 2 ranks on the lowest two of cores 1, 3, 8
+    assert child_env(env, p, "r", role="prefill")["SGLANG_CPU_OMP_THREADS_BIND"] == "1|3"
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in child_env(env, p, "r", role="decode")
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in child_env(env, p, "r")  # the load balancer has no ranks
 
 
-def test_more_ranks_than_cores_share_them_round_robin():
-    cores = sorted(os.sched_getaffinity(0))
-    ranks = len(cores) + 1
-    assert rank_cores(ranks).split("|") == [str(cores[r % len(cores)]) for r in range(ranks)]
+def test_more_ranks_than_cores_share_them_round_robin(three_cores):
+    # ranks 0-4 on cores 1, 3, 8, then again from the first: 1, 3
+    assert rank_cores(5) == "1|3|8|1|3"
 
 
 def test_dp_attention_splits_the_tp_ranks():

@@ -71,14 +71,16 @@ def test_byte_bound_fills_each_call_then_moves_on():
 def test_policy_defaults_stay_under_mooncake_tcp_and_the_release_timeout():
     limits = load_limits("H6")
     bounds = bounds_from({})
-    assert bounds.max_entries == limits["max_entries_per_call"] <= MOONCAKE_TCP_ENTRIES_PER_CALL // 2
+    # policy.yaml: 1024 entries; bytes = 30 s release timeout x 0.5 fraction x 125,000,000 B/s = 1,875,000,000
+    assert bounds == Bounds(1024, 1_875_000_000)
+    assert bounds.max_entries <= MOONCAKE_TCP_ENTRIES_PER_CALL // 2
     seconds_per_call = bounds.max_bytes / limits["link_rate_bytes_per_s"]
     assert seconds_per_call <= limits["release_timeout_s"] * limits["timeout_fraction"] < limits["release_timeout_s"]
 
 
 def test_env_overrides_each_number_and_the_byte_bound_follows_the_timeout():
     bounds = bounds_from({MAX_ENTRIES_ENV: "64", LINK_RATE_ENV: "1000", RELEASE_TIMEOUT_ENV: "4"})
-    assert bounds == Bounds(64, int(4 * load_limits("H6")["timeout_fraction"] * 1000))
+    assert bounds == Bounds(64, 2000)  # 4 s timeout x the policy's 0.5 fraction x 1000 B/s
 
 
 def test_nonsense_bounds_are_refused():
