@@ -48,9 +48,12 @@ def test_a_chunks_calls_stop_once_decode_aborted_its_room(start_cluster, tmp_pat
     ran_s = end["t"] - min(e["t"] for e in ledger.of("begin") if e["room"] == req.room)
     print(f"\nchunk of room {req.room}: calls ran {ran_s:.1f} s; {len(unsafe)} pages freed under them")
     assert not unsafe, "\n".join(map(str, unsafe[:5]))
-    assert "no more transfer calls for this send: its room failed" in cluster.log_tail("prefill", 400)
+    # the ledger's engine calls, not the runtime's word: the chunk's calls ended with its write
+    # (none for the room after it), within the wait above, hours before its bytes could all go
+    calls = ledger.calls(req.room)
+    assert calls and max(c["t"] for c in calls) <= end["t"], "a call for the room ran after its write ended"
     assert "0.5.23's asynchronous branch" in cluster.log_tail("prefill", 10**9), \
         "prefill sent through the index-copy branch GPUs take (tests/cpu_overlay/site/sgl_cpu_event.py)"
     no_ack = f"room {req.room}: no drain ack by the release timeout"
-    assert no_ack not in cluster.log_tail("decode", 400), "the stopped send lost prefill's drain ack"
+    assert no_ack not in cluster.log_tail("decode", 10**9), "the stopped send lost prefill's drain ack"
 

@@ -193,7 +193,7 @@ def test_one_rank_killed_mid_transfer(fc):
     assert wait_pages_idle(fc.cluster, fc.idle, timeout_s=RELEASE_TIMEOUT_S + 30) == fc.idle, "pages leaked"
     unsafe = fc.unsafe(req.room, killed_at)
     _report(fc, "prefill rank 1 killed", req)
-    assert ans.status != 200, ans
+    assert ans.status is not None and ans.status >= 400, f"decode must answer an error in time, not {ans}"
     assert not unsafe, "\n".join(map(str, unsafe[:5]))
     assert _serves_within(fc.cluster, 30), "the cluster never served again"
 

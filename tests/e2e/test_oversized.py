@@ -186,6 +186,10 @@ def test_0519_h1_keeps_a_failed_intake_from_transfer(start_cluster, tmp_path, bu
         assert not written, written
         assert at_prefill.status == 400 and PREFILL_LIMIT_MESSAGE in at_prefill.body, at_prefill
         assert at_decode.status >= 400, at_decode  # without H4, after decode's waiting timeout
+    # the positive control: the same ledger sees a fitting prompt's write, so its silence above is H1's
+    after = time.monotonic()
+    assert cluster.generate(FITTING_C).status == 200
+    assert [e for e in Ledger(tmp_path).of("begin") if e["t"] > after], "the ledger saw no write at all"
 
 
 @pytest.mark.skipif(not FULL_MATRIX, reason="CI shows H12's hole on upstream 0.5.23 (n: null, test_fault_matrix.py); "
