@@ -22,7 +22,7 @@ from ..common.hashing import files_digest
 from ..common.paths import patches_dir
 from . import unidiff
 from .fetch import fetch_wheel
-from .lock import LOCK_NAME, UpstreamPin, get_pin
+from .lock import LOCK_NAME, UpstreamPin, get_wheels
 from .manifest import build_manifest, write_manifest
 from .sbom import write_sbom
 from .series import Series, load_series
@@ -127,11 +127,28 @@ def inputs_digest(patches: Path, base: str) -> str:
     return hashlib.sha256(f"{files_digest(TOOL_ROOT, tool)} {files_digest(patches, patch_files)} {epoch}".encode()).hexdigest()
 
 
+Choose = Callable[[list[UpstreamPin]], list[UpstreamPin]]
+
+
+def reference(wheels: list[UpstreamPin]) -> list[UpstreamPin]:
+    """The wheel the sandbox and the tests run (cp311 x86_64): one build per base."""
+    return wheels[:1]
+
+
+def every(wheels: list[UpstreamPin]) -> list[UpstreamPin]:
+    """Every wheel upstream ships for the base: each CPython, each architecture."""
+    return wheels
+
+
 def build(bases: list[str], out_dir: Path, *, patches: Path | None = None,
-          progress: Progress = lambda msg: None) -> tuple[list[BuildResult], Path]:
-    """Build every base in `bases` plus the tool wheel into `out_dir`, all or nothing."""
+          progress: Progress = lambda msg: None, choose: Choose = reference) -> tuple[list[BuildResult], Path]:
+    """Build the wheels `choose` takes of each base in `bases`, plus the tool wheel, into
+    `out_dir`, all or nothing. Every wheel of a base comes from the same series: the patches
+    touch only Python sources, which all of upstream's wheels of a release share."""
     patches = patches or patches_dir()
-    plan = [(get_pin(patches, base), load_series(patches, base)) for base in bases]
+    plan = [(pin, load_series(patches, base)) for base in bases for pin in choose(get_wheels(patches, base))]
+    if not plan:
+        raise HardenedError(f"no pinned wheel of {', '.join(bases)} is the one asked for")
     _check_writable(out_dir)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".staging-") as tmp:
         staging = Path(tmp)

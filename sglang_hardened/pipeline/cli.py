@@ -12,7 +12,8 @@ from .. import __version__
 from ..common.errors import HardenedError
 from ..common.paths import patches_dir
 from ..common.table import format_table
-from .lock import get_pin, load_lock
+from .fetch import ARCHES
+from .lock import get_wheels, load_lock
 
 
 def _bases(base: str | None, all_bases: bool) -> list[str]:
@@ -30,7 +31,8 @@ def _progress(message: str) -> None:
 @click.option("--all", "all_bases", is_flag=True, help="Every supported base.")
 @click.option("--refresh", is_flag=True, help="Download again even if cached.")
 def fetch(base: str | None, all_bases: bool, refresh: bool) -> None:
-    """Download the pinned upstream wheel, verify its sha256 and cache it.
+    """Download the pinned upstream wheels (every CPython and architecture), verify each
+    sha256 and cache them.
 
     \b
     Example:
@@ -41,10 +43,10 @@ def fetch(base: str | None, all_bases: bool, refresh: bool) -> None:
     patches = patches_dir()
     rows = []
     for name in _bases(base, all_bases):
-        pin = get_pin(patches, name)
-        path = fetch_wheel(pin, refresh=refresh, quiet=False)
-        rows.append((name, pin.sha256[:16] + "…", path))
-    click.echo(format_table(("base", "sha256", "cached at"), rows))
+        for pin in get_wheels(patches, name):
+            path = fetch_wheel(pin, refresh=refresh, quiet=False)
+            rows.append((name, pin.python, pin.arch, pin.sha256[:16] + "…", path))
+    click.echo(format_table(("base", "python", "arch", "sha256", "cached at"), rows))
 
 
 @click.command()
@@ -72,20 +74,32 @@ def verify(base: str | None, all_bases: bool) -> None:
 @click.option("--all", "all_bases", is_flag=True, help="Every supported base.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("dist"),
               show_default=True, help="Directory for the wheels.")
-def build(base: str | None, all_bases: bool, out_dir: Path) -> None:
-    """Build hardened sglang wheel(s) plus the sglang-hardened wheel.
+@click.option("--python", "pythons", multiple=True, metavar="3.X",
+              help="Only the wheels for this CPython (repeatable; default: every one upstream ships).")
+@click.option("--arch", "arches", multiple=True, type=click.Choice(ARCHES),
+              help="Only the wheels for this machine (repeatable; default: every one upstream ships).")
+def build(base: str | None, all_bases: bool, out_dir: Path, pythons: tuple[str, ...], arches: tuple[str, ...]) -> None:
+    """Build hardened sglang wheels, one per wheel upstream ships (each CPython and
+    architecture), plus the sglang-hardened wheel.
 
     Output appears all together or not at all. Install the result with
-    pip install --no-index --no-deps --find-links DIR "sglang==V+hardened.N" sglang-hardened
+    pip install --no-index --no-deps --find-links DIR "sglang==V+hardened.N"
+    (pip picks the wheel for the Python and machine in use).
 
     \b
-    Example:
+    Examples:
       sglang-hardened build --base 0.5.23 --out dist/
+      sglang-hardened build --all --python 3.12 --arch x86_64
     """
     from .build import build as run_build
 
+    tags = {f"cp{v.replace('.', '')}" for v in pythons}
+
+    def choose(wheels: list) -> list:
+        return [w for w in wheels if (not tags or w.python in tags) and (not arches or w.arch in arches)]
+
     bases = _bases(base, all_bases)
-    results, tool = run_build(bases, out_dir, progress=_progress)
+    results, tool = run_build(bases, out_dir, progress=_progress, choose=choose)
     rows = [(r.base, r.version, " ".join(r.manifest["hardening_ids"]), r.wheel) for r in results]
     rows.append(("-", __version__, "-", tool))
     click.echo(format_table(("base", "version", "hardening", "wheel"), rows))

@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from packaging.tags import parse_tag
+
 from ..common.errors import HardenedError
 from ..common.hashing import sha256_file
 from ..common.paths import cache_dir
@@ -30,8 +32,12 @@ def verify_wheel(pin: UpstreamPin, path: Path) -> None:
         )
 
 
-def _pip_download(version: str, tags: frozenset, dest: Path, quiet: bool) -> Path:
-    """Ask pip for sglang==version built for `tags` (not this interpreter's); the one file."""
+NOT_SHIPPED = "No matching distribution found"  # pip's words when the index has no such wheel
+
+
+def _pip_download(version: str, tags: frozenset, dest: Path, quiet: bool, missing_ok: bool = False) -> Path | None:
+    """Ask pip for sglang==version built for `tags` (not this interpreter's); the one file, or
+    None when `missing_ok` and the index serves no wheel for those tags."""
     tag = sorted(tags, key=str)[0]
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -40,12 +46,14 @@ def _pip_download(version: str, tags: frozenset, dest: Path, quiet: bool) -> Pat
         "--implementation", "cp", "--abi", tag.abi, "--platform", tag.platform,
         "-d", str(dest), f"sglang=={version}",
     ]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None,
-                         stderr=subprocess.STDOUT if quiet else None, text=True)
+    out = subprocess.run(cmd, stdout=subprocess.PIPE if quiet or missing_ok else None,
+                         stderr=subprocess.STDOUT if quiet or missing_ok else None, text=True)
     if out.returncode != 0:
+        if missing_ok and NOT_SHIPPED in (out.stdout or ""):
+            return None
         raise HardenedError(
             f"pip could not download sglang=={version} for {tag}: exit {out.returncode}"
-            + (f"\n{out.stdout[-2000:]}" if quiet and out.stdout else "")
+            + (f"\n{out.stdout[-2000:]}" if out.stdout else "")
         )
     [got] = list(dest.iterdir())
     return got
@@ -73,17 +81,38 @@ def fetch_wheel(pin: UpstreamPin, *, refresh: bool = False, quiet: bool = True,
     return target
 
 
+# The wheels upstream may ship for a release besides its reference: each CPython and machine
+# on the reference's manylinux level (0.5.19-0.5.21 ship cp310-cp313, 0.5.22 on cp311-cp313).
+PYTHONS = ("3.10", "3.11", "3.12", "3.13", "3.14")
+ARCHES = ("x86_64", "aarch64")
+
+
+def _candidates(like: UpstreamPin) -> list[frozenset]:
+    """Tags of every wheel to ask the index for, the reference's first."""
+    level = sorted(t.platform for t in like.tags)[0].removesuffix(f"_{like.arch}")
+    ref = sorted(like.tags, key=str)[0]
+    others = [parse_tag(f"cp{py.replace('.', '')}-cp{py.replace('.', '')}-{level}_{arch}")
+              for py in PYTHONS for arch in ARCHES]
+    return [like.tags, *(t for t in others if ref not in t)]
+
+
 def pin_release(version: str, like: UpstreamPin, *, quiet: bool = True,
-                cache: Path | None = None) -> UpstreamPin:
-    """Pin a release not yet in the lock: download it for `like`'s tags and record its hash.
+                cache: Path | None = None) -> list[UpstreamPin]:
+    """Pin a release not yet in the lock: every wheel the index serves for it, the one for
+    `like`'s tags first (the reference), each downloaded and its hash recorded.
 
     pip checks the hash the index serves with the file, so the pin is what
     the index serves; from then on the lock entry is what every use checks.
     """
     staging = (cache or cache_dir()) / "upstream"
     staging.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=staging, prefix=".fetch-") as tmp:
-        got = _pip_download(version, like.tags, Path(tmp), quiet)
-        pin = UpstreamPin(version, got.name, sha256_file(got))
-        os.replace(got, cached_path(pin, cache))
-    return pin
+    pins = []
+    for i, tags in enumerate(_candidates(like)):
+        with tempfile.TemporaryDirectory(dir=staging, prefix=".fetch-") as tmp:
+            got = _pip_download(version, tags, Path(tmp), quiet, missing_ok=i > 0)
+            if got is None:
+                continue
+            pin = UpstreamPin(version, got.name, sha256_file(got))
+            os.replace(got, cached_path(pin, cache))
+            pins.append(pin)
+    return pins

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..common.errors import HardenedError
 from . import unidiff
 from .fetch import fetch_wheel, pin_release
-from .lock import UpstreamPin, add_pin, load_lock
+from .lock import UpstreamPin, add_pin, load_lock, load_wheels
 from .series import SERIES_NAME, Patch, Series, load_series
 from .unidiff import Files
 from .wheelfile import read_members
@@ -47,8 +47,13 @@ class Verdict:
 class RebaseResult:
     source: str
     target: str
-    pin: UpstreamPin
+    wheels: list[UpstreamPin]  # every wheel of target, reference first
     verdicts: list[Verdict]
+
+    @property
+    def pin(self) -> UpstreamPin:
+        """The target's reference wheel, which the carry is checked on."""
+        return self.wheels[0]
 
     @property
     def clean(self) -> bool:
@@ -154,15 +159,15 @@ def carry(series: Series, old: Files, new: Files, today: dt.date) -> list[Verdic
 
 def rebase(patches: Path, source: str, target: str, *, today: dt.date | None = None) -> RebaseResult:
     """Carry `source`'s series onto `target` (pinning `target` if the lock lacks it)."""
-    pins = load_lock(patches)
+    pins = load_wheels(patches)
     if source not in pins:
         raise HardenedError(f"unknown base {source!r}; supported bases: {', '.join(pins)}")
     series = load_series(patches, source)
-    pin = pins.get(target) or pin_release(target, pins[source])
+    wheels = pins.get(target) or pin_release(target, pins[source][0])
     names = {fp.target for p in series.patches for fp in unidiff.parse(p.diff)}
-    old = read_members(fetch_wheel(pins[source]), names)
-    new = read_members(fetch_wheel(pin), names)
-    return RebaseResult(source, target, pin, carry(series, old, new, today or dt.date.today()))
+    old = read_members(fetch_wheel(pins[source][0]), names)
+    new = read_members(fetch_wheel(wheels[0]), names)
+    return RebaseResult(source, target, wheels, carry(series, old, new, today or dt.date.today()))
 
 
 def write_series(patches: Path, result: RebaseResult, *, force: bool) -> Path:
@@ -190,7 +195,7 @@ def write_series(patches: Path, result: RebaseResult, *, force: bool) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if result.target not in load_lock(patches):
-        add_pin(patches, result.pin)
+        add_pin(patches, result.wheels)
     return target_dir
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 from ..common.errors import HardenedError
 from . import seams, unidiff
 from .fetch import fetch_wheel
-from .lock import get_pin
+from .lock import UpstreamPin, get_wheels
 from .series import load_series
-from .wheelfile import read_members
+from .wheelfile import python_sources, read_members
 
 
 @dataclass(frozen=True)
@@ -34,17 +34,28 @@ def _describe(results: list[unidiff.FileResult]) -> str:
     return f"ok (offset {', '.join(map(str, offsets))})" if offsets else "ok"
 
 
+def same_sources(pins: list[UpstreamPin], wheels: list[Path]) -> str:
+    """Whether every wheel of a base holds the reference's Python sources, byte for byte (by
+    RECORD): the series is checked on the reference and applied to all of them."""
+    reference = python_sources(wheels[0])
+    for pin, wheel in zip(pins[1:], wheels[1:]):
+        if (other := python_sources(wheel)) != reference:
+            differ = sorted(n for n in reference.keys() | other.keys() if reference.get(n) != other.get(n))
+            return f"FAILED: {pin.file} differs from {pins[0].file} in {len(differ)} sources: {', '.join(differ[:3])}"
+    return "ok (identical)"
+
+
 def verify_base(patches: Path, base: str) -> list[PatchStatus]:
     """Rows for one base; a series-level fault is one failed row naming it."""
     try:
-        pin = get_pin(patches, base)
+        pins = get_wheels(patches, base)
         series = load_series(patches, base)
-        wheel = fetch_wheel(pin)
+        wheels = [fetch_wheel(pin) for pin in pins]
     except HardenedError as exc:
         return [PatchStatus(base, "(series)", "-", f"FAILED: {exc}")]
     touched = {fp.target for p in series.patches for fp in unidiff.parse(p.diff)}
-    files = read_members(wheel, touched)  # a dry run need not unpack 40 MB
-    rows = []
+    files = read_members(wheels[0], touched)  # a dry run need not unpack 40 MB
+    rows = [PatchStatus(base, f"(sources of {len(pins)} wheels)", "-", same_sources(pins, wheels))]
     for patch in series.patches:
         try:
             files, results = unidiff.apply_to_files(files, patch.diff)

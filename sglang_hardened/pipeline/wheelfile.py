@@ -106,6 +106,15 @@ def read_members(wheel: Path, names: set[str]) -> dict[str, str | None]:
         return {n: zf.read(n).decode() if n in present else None for n in names}
 
 
+def python_sources(wheel: Path) -> dict[str, str]:
+    """Each ``.py`` file of a wheel with its RECORD hash, read from RECORD alone: what wheels
+    built for different Pythons and machines must share for one series to harden them all."""
+    with zipfile.ZipFile(wheel) as zf:
+        [record] = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD")]
+        rows = csv.reader(io.StringIO(zf.read(record).decode()))
+        return {row[0]: row[1] for row in rows if row and row[0].endswith(".py")}
+
+
 @contextmanager
 def unpacked(wheel: Path, workdir: Path | None = None) -> Iterator[WheelTree]:
     """Unpack `wheel` into a temporary directory removed on exit, success or not."""

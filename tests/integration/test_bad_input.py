@@ -97,6 +97,6 @@ def test_failure_in_a_later_base_leaves_no_earlier_output(run_cli, tree_copy, dr
     patch.write_text(patch.read_text().replace(" from sglang.version import __version__\n",
                                                " from sglang.version import version_gone\n"))
     out = tmp_path / "out"
-    done = run_cli("build", "--all", "--out", str(out))
+    done = run_cli("build", "--all", "--python", "3.11", "--arch", "x86_64", "--out", str(out))  # a wheel a base
     assert_failed_cleanly(done, out, "base 0.5.23", PATCH, "hunk #1")
     assert "0.5.22: wrote" in done.stderr  # earlier bases were built, then discarded
