@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
 
 import pytest
 from tests.harness import REPO

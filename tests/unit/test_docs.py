@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from sglang_hardened.pipeline.lock import load_lock
 from sglang_hardened.pipeline.series import load_series

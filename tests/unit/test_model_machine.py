@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from collections import deque
 from collections.abc import Iterator
-from pathlib import Path
 
 from sglang_hardened.model.configs import ALL, SCENARIOS, Switch
 from sglang_hardened.model.machine import ACTIONS, Event, Machine, Step

@@ -17,7 +17,6 @@ import logging
 import struct
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
