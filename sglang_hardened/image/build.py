@@ -2,8 +2,9 @@
 
 The build args (version, hardening ids, upstream hash) are read from the
 manifest inside the hardened wheel, so the image says exactly what the wheel
-carries. The build context holds only the two wheels, and the Dockerfile
-installs them offline.
+carries. That wheel is the one for the base image's Python and machine (read
+from the base image itself). The build context holds only the two wheels, and
+the Dockerfile installs them offline.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -23,11 +25,11 @@ from ..common.errors import HardenedError
 from ..common.hashing import record_digest
 from ..common.paths import patches_dir
 from ..pipeline.build import TOOL_ROOT, Progress, build
-from ..pipeline.lock import get_pin
+from ..pipeline.lock import UpstreamPin, get_wheels
 from ..pipeline.manifest import build_manifest
 from ..pipeline.series import load_series
 from ..pipeline.stamp import hardened_version
-from ..runtime.identity import MANIFEST_NAME
+from ..runtime.identity import MANIFEST_NAME, RUNS_ON_PROBE
 
 DOCKERFILE = TOOL_ROOT / "Dockerfile"
 
@@ -93,24 +95,72 @@ def tool_wheel_is_current(wheel: Path) -> bool:
     return packed == source
 
 
-def ensure_wheels(base: str, out_dir: Path, progress: Progress) -> tuple[Path, Path]:
-    """The hardened and tool wheels for `base` in `out_dir`, built unless current ones are there.
+def hardened_name(pin: UpstreamPin, version: str) -> str:
+    """The file name the build gives the hardened wheel of ``pin``."""
+    return pin.file.replace(f"sglang-{pin.base}-", f"sglang-{version}-", 1)
+
+
+def ensure_wheels(base: str, out_dir: Path, progress: Progress, runs_on: str | None = None) -> tuple[Path, Path]:
+    """The hardened wheel of `base` for ``runs_on`` (``cp312 x86_64``: the image's Python and
+    machine; default the reference wheel's) and the tool wheel, in `out_dir`, built unless
+    current ones are there.
 
     Current means: the hardened wheel's manifest is what the series would
     produce now, and the tool wheel holds this checkout's code.
     """
     patches = patches_dir()
-    pin, series = get_pin(patches, base), load_series(patches, base)
+    pins, series = get_wheels(patches, base), load_series(patches, base)
+    matching = [p for p in pins if runs_on in (None, f"{p.python} {p.arch}")][:1]
+    if not matching:
+        raise HardenedError(f"upstream ships no sglang {base} wheel for {runs_on} (it ships: "
+                            f"{', '.join(f'{p.python} {p.arch}' for p in pins)})")
+    [pin] = matching
     version = hardened_version(base, series.revision)
-    found = sorted(out_dir.glob(f"sglang-{version}-*.whl"))
+    found = out_dir / hardened_name(pin, version)
     tools = sorted(out_dir.glob(f"sglang_hardened-{__version__}-*.whl"))
-    if (len(found) == 1 and len(tools) == 1
-            and wheel_manifest(found[0]) == build_manifest(pin, series, version)
+    if (found.is_file() and len(tools) == 1
+            and wheel_manifest(found) == build_manifest(pin, series, version)
             and tool_wheel_is_current(tools[0])):
-        progress(f"{base}: using {found[0].name} and {tools[0].name}")
-        return found[0], tools[0]
-    results, tool = build([base], out_dir, patches=patches, progress=progress)
+        progress(f"{base}: using {found.name} and {tools[0].name}")
+        return found, tools[0]
+    results, tool = build([base], out_dir, patches=patches, progress=progress, choose=lambda wheels: [pin])
     return results[0].wheel, tool
+
+
+def base_image_runs_on(engine: str, image: str) -> str:
+    """The CPython tag and machine of the base image's ``python3`` (``cp312 x86_64``), which the
+    image's hardened wheel must be built for: the official image runs 3.12, not the sandbox's 3.11."""
+    probe = ["python3", "-c", RUNS_ON_PROBE]
+    if engine == "docker":
+        run = subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", probe[0], image,
+                              *probe[1:]], capture_output=True, text=True)
+    else:
+        opened = subprocess.run(["buildah", "from", "--quiet", image], env=_buildah_env(), capture_output=True, text=True)
+        if opened.returncode != 0:
+            raise HardenedError(f"buildah could not open the base image {image}: {opened.stderr.strip()[-500:]}")
+        ctr = opened.stdout.strip()
+        try:
+            run = subprocess.run(["buildah", "run", "--network", "none", ctr, "--", *probe], env=_buildah_env(),
+                                 capture_output=True, text=True)
+        finally:
+            subprocess.run(["buildah", "rm", ctr], env=_buildah_env(), capture_output=True)
+    if run.returncode != 0 or len(run.stdout.split()) != 2:
+        raise HardenedError(f"could not read the Python of the base image {image} (python3 -c …, "
+                            f"exit {run.returncode}): {(run.stderr or run.stdout).strip()[-500:]}")
+    return run.stdout.strip()
+
+
+def _buildah_env() -> dict[str, str]:
+    """chroot isolation needs no OCI runtime and works inside containers; an explicit setting wins."""
+    return {**os.environ, "BUILDAH_ISOLATION": os.environ.get("BUILDAH_ISOLATION", "chroot")}
+
+
+def default_base_image(base: str) -> str:
+    """The Dockerfile's own BASE_IMAGE for `base` (upstream's image of the release)."""
+    match = re.search(r"^ARG BASE_IMAGE=(\S+)$", DOCKERFILE.read_text(), re.M)
+    if not match:
+        raise HardenedError(f"{DOCKERFILE} has no `ARG BASE_IMAGE=` default")
+    return match.group(1).replace("${SGLANG_BASE}", base)
 
 
 def _stage(wheels: tuple[Path, ...], context: Path) -> None:
@@ -129,16 +179,16 @@ def build_image(base: str, out_dir: Path, *, engine: str | None = None,
     if not DOCKERFILE.is_file():
         raise HardenedError(f"no Dockerfile at {DOCKERFILE}: build images from a checkout")
     engine = engine or pick_engine()
-    wheel, tool = ensure_wheels(base, out_dir, progress)
+    runs_on = base_image_runs_on(engine, base_image or default_base_image(base))
+    progress(f"{base}: the base image runs {runs_on}")
+    wheel, tool = ensure_wheels(base, out_dir, progress, runs_on)
     manifest = wheel_manifest(wheel)
     args = build_args(manifest, base_image)
     tag = tag or default_tag(manifest["version"])
-    # chroot isolation needs no OCI runtime and works inside containers; an explicit setting wins.
-    env = {**os.environ, "BUILDAH_ISOLATION": os.environ.get("BUILDAH_ISOLATION", "chroot")}
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".image-") as context:
         _stage((wheel, tool), Path(context))
         progress(f"{base}: building {tag} with {engine}")
-        run = subprocess.run(build_command(engine, Path(context), tag, args), env=env,
+        run = subprocess.run(build_command(engine, Path(context), tag, args), env=_buildah_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if run.returncode != 0:
         raise HardenedError(f"{engine} build of {tag} failed (exit {run.returncode}):\n{run.stdout[-3000:]}")

@@ -93,22 +93,26 @@ def canary(url: str, pool_tokens: int, context_length: int, tenants: int, repeat
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
 def info(as_json: bool) -> None:
-    """Say what the installed sglang carries (its hardening manifest).
+    """Say what the installed sglang carries (its hardening manifest), and the CPython tag and
+    machine it runs on.
 
     \b
     Example:
       sglang-hardened info --json
     """
-    from ..runtime.identity import manifest
+    from ..runtime.identity import manifest, runs_on, shadowed_by
 
     found = manifest()
     if found is None:
         raise HardenedError("the installed sglang is not a hardened build (no hardening manifest)")
+    if (other := shadowed_by()) is not None:
+        raise HardenedError(f"this Python imports sglang from {other}, not the hardened wheel's files: an "
+                            "editable install or a source tree on sys.path shadows it (uninstall it, or run elsewhere)")
     if as_json:
-        click.echo(json.dumps(found, indent=2, sort_keys=True))
+        click.echo(json.dumps({**found, "runs_on": runs_on()}, indent=2, sort_keys=True))
         return
     click.echo(f"sglang {found['version']} (upstream {found['upstream']['file']}, "
-               f"sha256 {found['upstream']['sha256']})")
+               f"sha256 {found['upstream']['sha256']}), on {runs_on()}")
     click.echo(format_table(("patch", "id", "sha256", "summary"),
                             [(p["name"], p["hardening_id"], p["sha256"][:16] + "…", p["summary"])
                              for p in found["patches"]]))

@@ -177,7 +177,7 @@ def _across_roles(live: list[Node]) -> list[Finding]:
     return out
 
 
-NODE_COLUMNS = ("role", "url", "sglang", "hardening", "pool/context", "input limit", "page", "kv dtype",
+NODE_COLUMNS = ("role", "url", "sglang", "runs on", "hardening", "pool/context", "input limit", "page", "kv dtype",
                 "checksum", "deferred release", "backend")
 
 
@@ -188,7 +188,7 @@ def node_row(n: Node) -> tuple[str, ...]:
     limit = str(n.get("max_req_input_len"))
     if n.bootstrap_limit is not None:
         limit += f" (bootstrap {n.bootstrap_limit})"
-    return (n.role, n.url, str(n.get("version")), hardening,
+    return (n.role, n.url, str(n.get("version")), n.hardening.get("runs_on", "-"), hardening,
             f"{n.get('max_total_num_tokens')}/{n.get('context_length')}", limit, str(n.get("page_size")),
             str(n.get("kv_cache_dtype")), str(n.get(CHECKSUM_FIELD, "n/a")),
             _deferred_release(n) if n.role == "decode" else "-", str(n.get("disaggregation_transfer_backend")))

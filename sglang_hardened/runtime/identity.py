@@ -7,10 +7,14 @@ read per process.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import platform
+import sys
 from functools import lru_cache
 from importlib import metadata
+from pathlib import Path
 
 MANIFEST_NAME = "hardened-manifest.json"
 INFO_ROUTES = ("/server_info", "/get_server_info")  # where a server serves server_info() (older releases: the second)
@@ -26,6 +30,29 @@ def manifest() -> dict | None:
     except metadata.PackageNotFoundError:
         return None
     return json.loads(text) if text else None
+
+
+# runs_on() as a python3 -c program, for an interpreter that may have no sglang_hardened (an image's base)
+RUNS_ON_PROBE = "import platform, sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]} {platform.machine()}')"
+
+
+def runs_on() -> str:
+    """The CPython tag and machine this process runs, e.g. ``cp312 x86_64``: which of upstream's
+    wheels (one per CPython and architecture) a node needs."""
+    return f"cp{sys.version_info.major}{sys.version_info.minor} {platform.machine()}"
+
+
+def shadowed_by() -> str | None:
+    """Where this Python imports sglang from when that is not the installed distribution's files
+    (an editable install's source tree, or one on sys.path, as upstream's image keeps under
+    /sgl-workspace): the manifest would then speak for code that does not run. None: it is."""
+    spec = importlib.util.find_spec("sglang")  # finds, without running the package's __init__
+    try:
+        installed = Path(metadata.distribution("sglang").locate_file("sglang/__init__.py")).resolve()
+    except metadata.PackageNotFoundError:
+        return None
+    origin = Path(spec.origin).resolve() if spec and spec.origin else None
+    return None if origin == installed else str(origin)
 
 
 def server_info() -> dict:
@@ -48,6 +75,7 @@ def server_info() -> dict:
         "deferred_decode_kv_release": deferred_release_on(),
         "release_timeout_s": process_release_timeout_s(),
         "page_tags": tags_on(),
+        "runs_on": runs_on(),
     }
 
 

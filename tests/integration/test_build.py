@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import zipfile
-from pathlib import Path
 
 import pytest
 from cyclonedx.schema import SchemaVersion
@@ -13,10 +13,13 @@ from cyclonedx.validation.json import JsonStrictValidator
 
 from sglang_hardened.common.hashing import sha256_file
 from sglang_hardened.pipeline import unidiff
-from sglang_hardened.pipeline.build import build
-from sglang_hardened.pipeline.lock import load_lock
+from sglang_hardened.pipeline.build import build, every
+from sglang_hardened.pipeline.lock import get_wheels, load_lock
 from sglang_hardened.pipeline.seams import added_runs
+from sglang_hardened.pipeline.sbom import SBOM_FILE
 from sglang_hardened.pipeline.series import load_series
+from sglang_hardened.pipeline.stamp import hardened_version
+from sglang_hardened.pipeline.wheelfile import python_sources
 from tests.harness import REPO
 
 # Read inside the venv without importing sglang's package __init__ (it needs
@@ -71,6 +74,13 @@ def test_hardened_wheel_installs_and_says_what_it_carries(base, built, patches, 
     info = subprocess.run([str(python.parent / "sglang-hardened"), "info", "--json"],
                           check=True, capture_output=True, text=True)
     manifest = json.loads(info.stdout)
+    # a source tree on the path (an editable install's, as upstream's image keeps) shadows the wheel
+    (tmp_path / "src" / "sglang").mkdir(parents=True)
+    (tmp_path / "src" / "sglang" / "__init__.py").write_text("")
+    shadowed = subprocess.run([str(python.parent / "sglang-hardened"), "info"], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(tmp_path / "src")})
+    assert shadowed.returncode != 0, shadowed.stdout
+    assert f"imports sglang from {tmp_path / 'src' / 'sglang' / '__init__.py'}" in shadowed.stderr, shadowed.stderr
     assert manifest["upstream"] == {"file": pin.file, "sha256": pin.sha256}
     assert "H0" in manifest["hardening_ids"]
     assert [(p["name"], p["sha256"], p["hardening_id"]) for p in manifest["patches"]] == [
@@ -108,6 +118,32 @@ def test_two_builds_are_byte_identical(built, tmp_path):
     again, tool_again = build(["0.5.19"], tmp_path / "again")
     assert sha256_file(again[0].wheel) == sha256_file(results["0.5.19"].wheel)
     assert sha256_file(tool_again) == sha256_file(tool)
+
+
+def test_every_wheel_upstream_ships_is_hardened_alike_and_reproducibly(patches, tmp_path):
+    """One hardened wheel per upstream wheel of the base (each CPython, x86_64 and aarch64; an
+    aarch64 one too, which cannot run here): each named and tagged as its upstream wheel, with
+    its own manifest, SBOM and RECORD, the same version and the same patched sources."""
+    base = BASES[-1]
+    pins = get_wheels(patches, base)
+    assert {p.arch for p in pins} == {"x86_64", "aarch64"} and len({p.python for p in pins}) >= 3
+    results, _ = build([base], tmp_path / "all", choose=every)
+    assert [r.manifest["upstream"] for r in results] == [{"file": p.file, "sha256": p.sha256} for p in pins]
+    assert {r.version for r in results} == {hardened_version(base, load_series(patches, base).revision)}
+    sources = []
+    for pin, result in zip(pins, results):
+        assert result.wheel.name == pin.file.replace(f"sglang-{base}-", f"sglang-{result.version}-")
+        with zipfile.ZipFile(result.wheel) as zf:
+            assert zf.testzip() is None
+            dist = f"sglang-{result.version}.dist-info/"
+            assert f"Tag: {pin.python}-{pin.python}-" in zf.read(dist + "WHEEL").decode()
+            sbom = json.loads(zf.read(dist + SBOM_FILE))
+            assert sbom["metadata"]["component"]["pedigree"]["ancestors"][0]["hashes"][0]["content"] == pin.sha256
+        sources.append(python_sources(result.wheel))
+    assert all(s == sources[0] for s in sources), "the wheels' patched sources differ"
+    arm = next(i for i, p in enumerate(pins) if p.arch == "aarch64")
+    again, _ = build([base], tmp_path / "again", choose=lambda wheels: [wheels[arm]])
+    assert sha256_file(again[0].wheel) == sha256_file(results[arm].wheel)
 
 
 def test_verify_all_passes_on_the_shipped_series(run_cli):

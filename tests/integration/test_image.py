@@ -26,12 +26,13 @@ import pytest
 from sglang_hardened import __version__
 from sglang_hardened.image.build import (DOCKERFILE, build_args, build_command, ensure_wheels, tool_wheel_is_current,
                                          wheel_manifest)
-from sglang_hardened.pipeline.lock import get_pin
+from sglang_hardened.pipeline.build import build
+from sglang_hardened.pipeline.lock import get_pin, get_wheels
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.pipeline.stamp import hardened_version
 from sglang_hardened.runtime.policy import knobs_for
-
 from tests.harness import REPO
+
 BASE = "0.5.23"
 TAG = "localhost/sglang-hardened-test:latest"
 ENV = {**os.environ, "BUILDAH_ISOLATION": "chroot"}
@@ -49,12 +50,17 @@ def wheels(built) -> Path:
     return built[1].parent
 
 
-@pytest.fixture(scope="module")
-def substitute_base() -> str:
+def substitute(suite: str = "bookworm") -> str:
+    """The stand-in base image of ``suite`` (made once; its name)."""
     for script in ("scripts/install-image-deps", "tests/image/substitute-base"):
-        done = run(REPO / script)
+        done = run(REPO / script, suite)
         assert done.returncode == 0, f"{script}:\n{done.stdout}{done.stderr}"
     return done.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def substitute_base() -> str:
+    return substitute()
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +156,30 @@ def test_healthcheck_probes_health_on_the_configured_port(container, image):
         server.server_close()
     down = run("buildah", "run", "--env", f"SGLANG_HARDENED_HEALTH_PORT={port}", container, "--", *probe[1:])
     assert down.returncode != 0
+
+
+@pytest.mark.image
+def test_on_a_base_of_another_python_the_image_installs_the_wheel_built_for_it(patches, tmp_path):
+    """Debian trixie's python3.13 stands in for the official image's 3.12 (neither is the
+    sandbox's 3.11): the build reads the base's Python and machine and installs that wheel.
+    (The install and `info` only: the index has no CPU torch for 3.13 to import sglang with.)"""
+    base_image = substitute("trixie")
+    [pin] = [p for p in get_wheels(patches, BASE) if (p.python, p.arch) == ("cp313", "x86_64")]
+    build([BASE], tmp_path, choose=lambda wheels: [pin])  # with the network: the tool wheel's build needs flit_core
+    tag = f"{TAG}-cp313"
+    done = run(sys.executable, "-m", "sglang_hardened", "image", "--base", BASE, "--engine", "buildah",
+               "--base-image", base_image, "--out", tmp_path, "--tag", tag, offline=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    try:
+        assert "the base image runs cp313 x86_64" in done.stderr, done.stderr
+        assert image_config(tag)["Labels"]["sglang-hardened.upstream-sha256"] == pin.sha256
+        ctr = run("buildah", "from", "--pull=never", tag).stdout.strip()
+        info = run("buildah", "run", ctr, "--", "sglang-hardened", "info", offline=True)
+        run("buildah", "rm", ctr)
+        assert info.returncode == 0, info.stderr
+        assert f"(upstream {pin.file}, sha256 {pin.sha256}), on cp313 x86_64" in info.stdout, info.stdout
+    finally:
+        run("buildah", "rmi", tag)
 
 
 def test_build_args_and_command_come_from_the_wheel_manifest(wheels, patches):
