@@ -203,7 +203,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
     items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
-    for item in items:
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The claims of the tests that will run: after every deselection (-k, -m, --lf included)."""
+    for item in session.items:
         for claim in claims_of(item):
             CLAIMED.setdefault(claim, []).append(item.nodeid)
 
@@ -217,7 +221,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_runtest_logreport(report) -> None:
     module = report.nodeid.split("::")[0]
     MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + report.duration
-    ok = report.passed and not getattr(report, "wasxfail", False)
+    ok = report.passed and not hasattr(report, "wasxfail")  # an xfail that passed shows nothing
     if report.when == "call" or not ok:
         PASSED[report.nodeid] = ok and PASSED.get(report.nodeid, True)
 

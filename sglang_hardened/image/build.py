@@ -140,7 +140,7 @@ def base_image_runs_on(engine: str, image: str) -> str:
             raise HardenedError(f"buildah could not open the base image {image}: {opened.stderr.strip()[-500:]}")
         ctr = opened.stdout.strip()
         try:
-            run = subprocess.run(["buildah", "run", "--network", "none", ctr, "--", *probe], env=_buildah_env(),
+            run = subprocess.run(["buildah", "run", ctr, "--", *probe], env=_buildah_env(),  # chroot: no --network
                                  capture_output=True, text=True)
         finally:
             subprocess.run(["buildah", "rm", ctr], env=_buildah_env(), capture_output=True)

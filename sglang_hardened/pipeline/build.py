@@ -146,9 +146,13 @@ def build(bases: list[str], out_dir: Path, *, patches: Path | None = None,
     `out_dir`, all or nothing. Every wheel of a base comes from the same series: the patches
     touch only Python sources, which all of upstream's wheels of a release share."""
     patches = patches or patches_dir()
-    plan = [(pin, load_series(patches, base)) for base in bases for pin in choose(get_wheels(patches, base))]
-    if not plan:
-        raise HardenedError(f"no pinned wheel of {', '.join(bases)} is the one asked for")
+    plan = []
+    for base in bases:
+        chosen = choose(get_wheels(patches, base))
+        if not chosen:
+            raise HardenedError(f"base {base} has no pinned wheel of the Python and machine asked for "
+                                f"(it pins: {', '.join(f'{p.python} {p.arch}' for p in get_wheels(patches, base))})")
+        plan += [(pin, load_series(patches, base)) for pin in chosen]
     _check_writable(out_dir)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".staging-") as tmp:
         staging = Path(tmp)

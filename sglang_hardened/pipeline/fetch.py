@@ -32,7 +32,8 @@ def verify_wheel(pin: UpstreamPin, path: Path) -> None:
         )
 
 
-NOT_SHIPPED = "No matching distribution found"  # pip's words when the index has no such wheel
+NOT_SHIPPED = "No matching distribution found"  # pip's words when the index has no such wheel...
+UNREACHABLE = ("Retrying", "NewConnectionError", "Could not fetch URL", "ConnectTimeout")  # ...or could not ask
 
 
 def _pip_download(version: str, tags: frozenset, dest: Path, quiet: bool, missing_ok: bool = False) -> Path | None:
@@ -49,7 +50,8 @@ def _pip_download(version: str, tags: frozenset, dest: Path, quiet: bool, missin
     out = subprocess.run(cmd, stdout=subprocess.PIPE if quiet or missing_ok else None,
                          stderr=subprocess.STDOUT if quiet or missing_ok else None, text=True)
     if out.returncode != 0:
-        if missing_ok and NOT_SHIPPED in (out.stdout or ""):
+        said = out.stdout or ""
+        if missing_ok and NOT_SHIPPED in said and not any(word in said for word in UNREACHABLE):
             return None
         raise HardenedError(
             f"pip could not download sglang=={version} for {tag}: exit {out.returncode}"
@@ -89,7 +91,7 @@ ARCHES = ("x86_64", "aarch64")
 
 def _candidates(like: UpstreamPin) -> list[frozenset]:
     """Tags of every wheel to ask the index for, the reference's first."""
-    level = sorted(t.platform for t in like.tags)[0].removesuffix(f"_{like.arch}")
+    level = max(t.platform for t in like.tags if t.platform.startswith("manylinux_")).removesuffix(f"_{like.arch}")
     ref = sorted(like.tags, key=str)[0]
     others = [parse_tag(f"cp{py.replace('.', '')}-cp{py.replace('.', '')}-{level}_{arch}")
               for py in PYTHONS for arch in ARCHES]

@@ -41,9 +41,9 @@ class UpstreamPin:
     @property
     def arch(self) -> str:
         """The machine the wheel is built for, e.g. ``x86_64`` or ``aarch64``."""
-        platform = sorted(t.platform for t in self.tags)[0]
-        match = re.fullmatch(r"(?:many|musl)linux_\d+_\d+_(.+)", platform)
-        return match.group(1) if match else platform
+        platforms = sorted({t.platform for t in self.tags})
+        found = {m.group(1) for p in platforms if (m := re.fullmatch(r"(?:(?:many|musl)linux_\d+_\d+|manylinux\d+)_(.+)", p))}
+        return found.pop() if len(found) == 1 else platforms[0]
 
 
 def _read(patches: Path) -> tuple[Path, dict]:

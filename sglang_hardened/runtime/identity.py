@@ -51,7 +51,9 @@ def shadowed_by() -> str | None:
         installed = Path(metadata.distribution("sglang").locate_file("sglang/__init__.py")).resolve()
     except metadata.PackageNotFoundError:
         return None
-    origin = Path(spec.origin).resolve() if spec and spec.origin else None
+    if spec is None or spec.origin is None:
+        return "nowhere (the installed distribution's files are not importable)"
+    origin = Path(spec.origin).resolve()
     return None if origin == installed else str(origin)
 
 

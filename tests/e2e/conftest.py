@@ -131,7 +131,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Start building the e2e tests' environments when the tests of the other tiers run before
     them: the gate's own list in the gate, every CI environment otherwise."""
     kinds = [item.get_closest_marker("e2e") is not None for item in session.items]
-    if any(kinds) and not kinds[0]:
+    if any(kinds) and not kinds[0] and not session.config.option.collectonly:
         gate = session.config.getoption("tier") == "gate" and not FULL_MATRIX
         _WARMING.extend(PREWARM_GATE if gate else PREWARM)
         benchmarks = any(i.nodeid.startswith("tests/e2e/test_benchmarks.py") for i in session.items)

@@ -189,12 +189,14 @@ def hardened_samples(cluster: Cluster, role: str) -> list:
             if s.name.startswith("sglang_hardened_")]
 
 
-def hardened_metric(cluster: Cluster, role: str, name: str, **labels: str) -> float:
+def hardened_metric(cluster: Cluster, role: str, name: str, served: bool = True, **labels: str) -> float:
     """The sum of ``role``'s samples ``sglang_hardened_<name>`` whose labels include ``labels``
     (0 when it has none: a counter appears at its first event). A role that serves no hardened
-    metric at all fails the test: metrics off, or not a hardened build, must not read as zero."""
+    metric at all fails the test (metrics off, or not a hardened build, must not read as zero),
+    unless ``served`` is False: a quiet role may have counted nothing yet (the caller then
+    shows the cluster serves them elsewhere)."""
     samples = hardened_samples(cluster, role)
-    assert samples, f"{role}'s /metrics serves no sglang_hardened_ metric: not a hardened build, or metrics off"
+    assert samples or not served, f"{role}'s /metrics serves no sglang_hardened_ metric: not a hardened build, or metrics off"
     return sum(s.value for s in samples if s.name == f"sglang_hardened_{name}" and labels.items() <= s.labels.items())
 
 
