@@ -9,8 +9,6 @@ the Dockerfile installs them offline.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 import re
@@ -24,11 +22,12 @@ from .. import __version__
 from ..common.errors import HardenedError
 from ..common.hashing import record_digest
 from ..common.paths import patches_dir
-from ..pipeline.build import TOOL_ROOT, Progress, build
+from ..pipeline.build import TOOL_ROOT, Progress, build, tool_sources
 from ..pipeline.lock import UpstreamPin, get_wheels
 from ..pipeline.manifest import build_manifest
 from ..pipeline.series import load_series
 from ..pipeline.stamp import hardened_version
+from ..pipeline.wheelfile import record_entries
 from ..runtime.identity import MANIFEST_NAME, RUNS_ON_PROBE
 
 DOCKERFILE = TOOL_ROOT / "Dockerfile"
@@ -82,16 +81,9 @@ def build_command(engine: str, context: Path, tag: str, args: dict[str, str]) ->
 
 def tool_wheel_is_current(wheel: Path) -> bool:
     """Does the wheel hold exactly this checkout's package files (same version, same code)?"""
-    package = TOOL_ROOT / "sglang_hardened"
-    source = {
-        f"sglang_hardened/{p.relative_to(package).as_posix()}": record_digest(p.read_bytes())
-        for p in package.rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts
-    }
-    with zipfile.ZipFile(wheel) as zf:
-        record = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
-        rows = csv.reader(io.StringIO(zf.read(record).decode()))
-        packed = {row[0]: row[1] for row in rows if row[0].startswith("sglang_hardened/")}
+    source = {f"sglang_hardened/{p.relative_to(TOOL_ROOT / 'sglang_hardened').as_posix()}": record_digest(p.read_bytes())
+              for p in tool_sources()}
+    packed = {name: digest for name, digest in record_entries(wheel).items() if name.startswith("sglang_hardened/")}
     return packed == source
 
 

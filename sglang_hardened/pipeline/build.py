@@ -116,12 +116,16 @@ def build_tool_wheel(dest_dir: Path) -> Path:
     return target
 
 
+def tool_sources() -> list[Path]:
+    """The files of this checkout's ``sglang_hardened`` package: what the tool wheel packs."""
+    return [p for p in (TOOL_ROOT / "sglang_hardened").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+
+
 def inputs_digest(patches: Path, base: str) -> str:
     """What ``build([base])`` reads, as one hash: the lock, the base's series and patches, and the
     tool's own source (its wheel, and the code that builds). Builds are reproducible, so equal
     inputs give equal wheels, and a cache keyed on this skips the build."""
-    tool = [p for p in (TOOL_ROOT / "sglang_hardened").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
-    tool += [TOOL_ROOT / name for name in ("pyproject.toml", "README.md")]
+    tool = [*tool_sources(), *(TOOL_ROOT / name for name in ("pyproject.toml", "README.md"))]
     patch_files = [patches / LOCK_NAME, *(p for p in (patches / base).rglob("*") if p.is_file())]
     epoch = os.environ.get("SOURCE_DATE_EPOCH", "")
     return hashlib.sha256(f"{files_digest(TOOL_ROOT, tool)} {files_digest(patches, patch_files)} {epoch}".encode()).hexdigest()
@@ -148,10 +152,11 @@ def build(bases: list[str], out_dir: Path, *, patches: Path | None = None,
     patches = patches or patches_dir()
     plan = []
     for base in bases:
-        chosen = choose(get_wheels(patches, base))
+        pinned = get_wheels(patches, base)
+        chosen = choose(pinned)
         if not chosen:
             raise HardenedError(f"base {base} has no pinned wheel of the Python and machine asked for "
-                                f"(it pins: {', '.join(f'{p.python} {p.arch}' for p in get_wheels(patches, base))})")
+                                f"(it pins: {', '.join(f'{p.python} {p.arch}' for p in pinned)})")
         plan += [(pin, load_series(patches, base)) for pin in chosen]
     _check_writable(out_dir)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".staging-") as tmp:

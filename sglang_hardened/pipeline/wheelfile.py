@@ -106,13 +106,18 @@ def read_members(wheel: Path, names: set[str]) -> dict[str, str | None]:
         return {n: zf.read(n).decode() if n in present else None for n in names}
 
 
-def python_sources(wheel: Path) -> dict[str, str]:
-    """Each ``.py`` file of a wheel with its RECORD hash, read from RECORD alone: what wheels
-    built for different Pythons and machines must share for one series to harden them all."""
+def record_entries(wheel: Path) -> dict[str, str]:
+    """Each file a wheel's RECORD lists, with its hash (``sha256=…``; empty for RECORD itself),
+    read without unpacking the wheel."""
     with zipfile.ZipFile(wheel) as zf:
         [record] = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD")]
-        rows = csv.reader(io.StringIO(zf.read(record).decode()))
-        return {row[0]: row[1] for row in rows if row and row[0].endswith(".py")}
+        return {row[0]: row[1] for row in csv.reader(io.StringIO(zf.read(record).decode())) if row}
+
+
+def python_sources(wheel: Path) -> dict[str, str]:
+    """Each ``.py`` file of a wheel with its RECORD hash: what wheels built for different
+    Pythons and machines must share for one series to harden them all."""
+    return {name: digest for name, digest in record_entries(wheel).items() if name.endswith(".py")}
 
 
 @contextmanager
