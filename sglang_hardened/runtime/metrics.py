@@ -9,18 +9,18 @@ id or anything a tenant sent, so a scrape reveals counts and nothing else.
 
 Without ``--enable-metrics`` (no ``PROMETHEUS_MULTIPROC_DIR``) nothing is imported or written.
 prometheus_client picks its multiprocess storage when first imported, so it is imported here
-only at the first event, in a process SGLang has already set up. A metric that cannot be
-written turns them off in its process, logged once: counting never fails a request.
+only at the first event, in a process SGLang has already set up. A write that fails is
+counted in ``metric_errors_total`` by the metric it was for and logged once per metric, and
+every other metric goes on counting: counting never fails a request, and a scrape says which
+series are missing events.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
-from collections.abc import Callable
-from typing import Any, ParamSpec
+from typing import Any
 
 log = logging.getLogger("sglang_hardened")
 
@@ -66,12 +66,14 @@ SPECS: dict[str, tuple[Any, ...]] = {
     "outcome_polls_total": ("counter", "Polls of a prefill's outcome route (H4), by result.", ("result",)),
     "page_tag_op_seconds": ("histogram", "Wall time of one H8 tag operation, while its cost is metered.",
                             ("role", "op"), OP_SECONDS_BUCKETS),
+    "metric_errors_total": ("counter", "Writes of a hardening metric that failed (the event went uncounted), "
+                                       "by metric (its name after sglang_hardened_).", ("metric",)),
 }
+ERRORS = "metric_errors_total"  # its label values are this table's names: a fixed list too
 
 _metrics: dict[str, Any] = {}
 _lock = threading.Lock()
-_broken: list[str] = []  # set once anything fails: from then on nothing is counted here
-P = ParamSpec("P")
+_failed: set[str] = set()  # metrics a write has failed for in this process: each logged once
 
 
 def enabled() -> bool:
@@ -79,11 +81,9 @@ def enabled() -> bool:
     return "PROMETHEUS_MULTIPROC_DIR" in os.environ
 
 
-def _metric(name: str) -> Any | None:
-    """The process's metric ``name``, made at its first use; None when metrics are off or broken
-    (a failure here reaches ``_never_raises``, which turns them off)."""
-    if not enabled() or _broken:
-        return None
+def _metric(name: str) -> Any:
+    """The process's metric ``name``, made at its first use (a failure leaves it to be made at
+    the next: prometheus_client registers a metric only once its storage is set up)."""
     with _lock:
         if name not in _metrics:
             import prometheus_client as pc
@@ -99,36 +99,32 @@ def _metric(name: str) -> Any | None:
         return _metrics[name]
 
 
-def _never_raises(count: Callable[P, None]) -> Callable[P, None]:
-    """Counting runs before the hardening action it counts (a release, an abort): a metric
-    that cannot be written (its mmap file, a full disk) turns metrics off in this process,
-    logged once, and the action goes on."""
-
-    @functools.wraps(count)
-    def guarded(*args: P.args, **kwargs: P.kwargs) -> None:
-        try:
-            count(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - metrics never fail a request
-            if not _broken:
-                _broken.append(count.__name__)
-                log.warning("sglang-hardened: metrics off in this process: %s: %s", count.__name__, e)
-
-    return guarded
-
-
-def _labelled(name: str, **labels: str) -> Any | None:
-    metric = _metric(name)
-    return metric.labels(**labels) if metric is not None and labels else metric
+def _write(name: str, op: str, value: float, labels: dict[str, str]) -> None:
+    """``op`` (inc, observe) on metric ``name``. Counting runs before the hardening action it
+    counts (a release, an abort), so a write that fails (its mmap file, a full disk) never
+    raises: it is counted in ERRORS, its first failure logged, and the next event tries again."""
+    if not enabled():
+        return
+    try:
+        metric = _metric(name)
+        getattr(metric.labels(**labels) if labels else metric, op)(value)
+    except Exception as e:  # noqa: BLE001 - metrics never fail a request
+        with _lock:
+            first = name not in _failed
+            _failed.add(name)
+        if first:
+            log.warning("sglang-hardened: metric %s_%s could not be written in this process (each such write "
+                        "is counted in %s_%s): %s", PREFIX, name, PREFIX, ERRORS, e)
+        if name != ERRORS:
+            _write(ERRORS, "inc", 1, {"metric": name})
 
 
 def _inc(name: str, amount: float = 1, **labels: str) -> None:
-    if (m := _labelled(name, **labels)) is not None:
-        m.inc(amount)
+    _write(name, "inc", amount, labels)
 
 
 def _observe(name: str, value: float, **labels: str) -> None:
-    if (m := _labelled(name, **labels)) is not None:
-        m.observe(value)
+    _write(name, "observe", value, labels)
 
 
 def _checked(value: str, allowed: tuple[str, ...]) -> str:
@@ -137,14 +133,12 @@ def _checked(value: str, allowed: tuple[str, ...]) -> str:
     return value if value in allowed else "other"
 
 
-@_never_raises
 def refused(hid: str, role: str, reason: str) -> None:
     """Count a request refused or ended by ``hid`` on ``role`` for ``reason`` (REASONS)."""
-    _inc("requests_refused_total", id=_checked(hid, tuple(REASONS)), role=_checked(role, ROLES),
-         reason=_checked(reason, REASONS.get(hid, ())))
+    hid = _checked(hid, tuple(REASONS))
+    _inc("requests_refused_total", id=hid, role=_checked(role, ROLES), reason=_checked(reason, REASONS.get(hid, ())))
 
 
-@_never_raises
 def hold_started(role: str) -> None:
     """Count an H5 hold begun on ``role``; it holds its room's pages until ``hold_ended``."""
     role = _checked(role, ROLES)
@@ -152,7 +146,6 @@ def hold_started(role: str) -> None:
     _inc("rooms_held", role=role)
 
 
-@_never_raises
 def hold_ended(role: str, ended_by: str, seconds: float | None = None) -> None:
     """Count an H5 hold on ``role`` ended (HOLD_ENDS), and how long it lasted where known."""
     role = _checked(role, ROLES)
@@ -162,32 +155,27 @@ def hold_ended(role: str, ended_by: str, seconds: float | None = None) -> None:
         _observe("hold_seconds", seconds, role=role)
 
 
-@_never_raises
 def transfer_call(entries: int, nbytes: int) -> None:
     """Observe one bounded Mooncake transfer call (H6): its entries and bytes."""
     _observe("transfer_call_entries", entries)
     _observe("transfer_call_bytes", nbytes)
 
 
-@_never_raises
 def send_stopped(reason: str) -> None:
     """Count a split send stopped between its calls (H6) for ``reason`` (STOPS)."""
     _inc("transfer_sends_stopped_total", reason=_checked(reason, STOPS))
 
 
-@_never_raises
 def following(delta: int) -> None:
     """A prefill outcome route followed (+1) or dropped (-1) by this decode (H4)."""
     _inc("outcome_followers", delta)
 
 
-@_never_raises
 def polled(result: str) -> None:
     """Count one poll of a prefill's outcome route (H4) by result (POLL_RESULTS)."""
     _inc("outcome_polls_total", result=_checked(result, POLL_RESULTS))
 
 
-@_never_raises
 def tag_op(role: str, op: str, seconds: float) -> None:
     """Observe one H8 tag operation's wall time (TAG_OPS) on ``role``: only while H8's cost is
     metered (runtime/page_tags_cost.py), whose clocks it reads, so an unmetered check costs nothing."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,16 +126,52 @@ def test_every_call_site_names_a_listed_reason():
 
 def test_a_metric_that_cannot_be_written_never_fails_the_caller(tmp_path):
     """Each count runs before the hardening action it counts (a release, an abort): with the
-    multiprocess folder gone (its files cannot be made), every call returns, metrics go off once
-    with a warning, and the caller goes on."""
+    multiprocess folder gone (its files cannot be made), every call returns, each metric's
+    failure is logged once however often it recurs, and the caller goes on."""
     code = ("from sglang_hardened.runtime import metrics\n"
-            "metrics.refused('H3', 'decode', 'sender_shortfall'); metrics.hold_started('prefill')\n"
-            "metrics.hold_ended('prefill', 'writes_done', 1.0); metrics.transfer_call(1, 1)\n"
-            "metrics.send_stopped('room_failed'); metrics.following(1); metrics.polled('ok')\n"
-            "metrics.tag_op('decode', 'check', 1e-5)\n"
-            "print('went on', metrics._broken)")
+            "for _ in range(2):\n"
+            "    metrics.refused('H3', 'decode', 'sender_shortfall'); metrics.hold_started('prefill')\n"
+            "    metrics.hold_ended('prefill', 'writes_done', 1.0); metrics.transfer_call(1, 1)\n"
+            "    metrics.send_stopped('room_failed'); metrics.following(1); metrics.polled('ok')\n"
+            "    metrics.tag_op('decode', 'check', 1e-5)\n"
+            "print('went on')")
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "gone"), "PATH": "/usr/bin:/bin",
            "PYTHONPATH": str(RUNTIME.parents[1])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("went on ['") and done.stderr.count("metrics off in this process") == 1
+    assert done.stdout == "went on\n"
+    logged = re.findall(r"metric sglang_hardened_(\w+) could not be written", done.stderr)
+    assert sorted(logged) == sorted(metrics.SPECS), done.stderr  # every one touched, its error counter too
+
+
+def test_a_write_error_silences_only_what_failed_and_is_counted(tmp_path):
+    """Finding (#44): one failed write turned every hardening metric off for the process's
+    life, and nothing on /metrics said so. The process's histogram file is made unwritable (a
+    folder where prometheus_client would map it): counters and gauges go on counting, and each
+    lost histogram write is counted in sglang_hardened_metric_errors_total by its metric."""
+    code = ("import os\n"
+            "from sglang_hardened.runtime import metrics\n"
+            "blocked = os.path.join(os.environ['PROMETHEUS_MULTIPROC_DIR'], f'histogram_{os.getpid()}.db')\n"
+            "os.mkdir(blocked)\n"
+            "metrics.transfer_call(300, 300 * 65536)\n"
+            "metrics.refused('H3', 'decode', 'prompt_length_differs')\n"
+            "metrics.hold_started('prefill'); metrics.hold_ended('prefill', 'writes_done', 1.5)\n"
+            "metrics.transfer_call(300, 300 * 65536)\n"
+            "os.rmdir(blocked)  # the collector reads every *.db it finds\n")
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(RUNTIME.parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    value = {(name, tuple(sorted(labels.items()))): v for name, labels, v in json.loads(_run(COLLECT, env=env))}
+
+    def got(name: str, **labels: str) -> float:
+        return value.get((f"sglang_hardened_{name}", tuple(sorted(labels.items()))), 0.0)
+
+    assert got("requests_refused_total", id="H3", role="decode", reason="prompt_length_differs") == 1
+    assert got("holds_ended_total", role="prefill", ended_by="writes_done") == 1
+    assert got("rooms_held", role="prefill") == 0
+    assert got("metric_errors_total", metric="transfer_call_entries") == 2
+    assert got("metric_errors_total", metric="transfer_call_bytes") == 2
+    assert got("metric_errors_total", metric="hold_seconds") == 1
+    logged = re.findall(r"metric sglang_hardened_(\w+) could not be written", done.stderr)
+    assert sorted(logged) == ["hold_seconds", "transfer_call_bytes", "transfer_call_entries"], done.stderr
