@@ -60,6 +60,7 @@ def shadowed_by() -> str | None:
 def server_info() -> dict:
     """The `hardening` field of /server_info: enough for preflight to judge a node, with
     the release settings in effect in this server's environment (not its version's defaults)."""
+    from .bootstrap_auth import token_set
     from .page_tags_switch import tags_on
     from .startup import deferred_release_on
     from .release_timeout import process_release_timeout_s
@@ -77,6 +78,7 @@ def server_info() -> dict:
         "deferred_decode_kv_release": deferred_release_on(),
         "release_timeout_s": process_release_timeout_s(),
         "page_tags": tags_on(),
+        "bootstrap_token": token_set(),
         "runs_on": runs_on(),
     }
 

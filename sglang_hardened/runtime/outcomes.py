@@ -31,9 +31,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hmac
+import json
 import logging
-import os
 import re
 import string
 import threading
@@ -43,7 +42,7 @@ import urllib.request
 from collections.abc import Container
 from dataclasses import dataclass
 
-from . import metrics
+from . import bootstrap_auth, metrics
 from .coverage import SHORTFALL
 from .peer_json import READ_ERRORS, get_json, is_int
 from .warmup import FAKE_BOOTSTRAP_HOST
@@ -60,10 +59,6 @@ POLLS_MAX = 256  # long polls a bootstrap server holds at once; more get 503
 # follower, not one reply per outcome per follower: the replies prefill's HTTP process serves are
 # at most about followers / COALESCE_S a second, whatever rate of rejections a client sets off.
 COALESCE_S = 0.05
-# A shared secret for the outcomes route, from the environment of both roles: when
-# prefill has one, only a decode that sends the same may read its outcomes.
-TOKEN_ENV = "SGLANG_HARDENED_BOOTSTRAP_TOKEN"
-TOKEN_HEADER = "X-SGLang-Hardened-Token"
 # Reasons that carry only numbers besides their fixed text ({name}: a number), passed on as they
 # are wherever prefill's message holds one: upstream's input limit, H3's sender refusal (inside
 # prefill's "Prefill transfer failed for request ... rid=..." line, which quotes the rid).
@@ -99,6 +94,7 @@ class OutcomeLog:
         self._items: collections.deque[Outcome] = collections.deque()
         self._seq = 0
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._catch_up: tuple[int, float, bytes] | None = None  # (seq, good until, reply body)
 
     def add(self, room: int, status: int, message: str) -> None:
         """Note how prefill ended ``room``: its status (a 4xx/5xx, else 500) and ``note(status, message)``."""
@@ -125,7 +121,7 @@ class OutcomeLog:
     async def wait_since(self, seq: int, wait_s: float) -> tuple[int, list[Outcome]]:
         """``since(seq)``, waiting up to ``wait_s`` for an outcome when there is none yet; a reply
         whose first outcome is younger than COALESCE_S waits until it is that old, so the rest
-        of a burst goes in the same reply however fast outcomes come (a catch-up is at once)."""
+        of a burst goes in the same reply however fast outcomes come."""
         event = asyncio.Event()
         key = (asyncio.get_running_loop(), event)
         with self._lock:
@@ -143,6 +139,38 @@ class OutcomeLog:
             await asyncio.sleep(linger)
             current, items = self.since(seq)
         return current, items
+
+
+    async def reply(self, seq: int, wait_s: float) -> bytes:
+        """The route's reply to a poll after ``seq``: a catch-up when it has seen nothing yet
+        and outcomes are retained, else ``wait_since``."""
+        with self._lock:
+            retained = bool(self._items)
+        if seq < 0 and retained:
+            return await self._catch_up_reply()
+        return reply_body(*await self.wait_since(seq, wait_s))
+
+    async def _catch_up_reply(self) -> bytes:
+        """Every retained outcome. It waits COALESCE_S, as a reply to a burst does, and one
+        body serves every catch-up until an outcome is added or the oldest expires, so a loop
+        of catch-ups (restarted decodes, or anyone who reaches the port without a token)
+        costs prefill's HTTP process no listing of up to RETAIN_MAX outcomes per poll."""
+        await asyncio.sleep(COALESCE_S)
+        now = time.monotonic()
+        with self._lock:
+            cached = self._catch_up
+            if cached and cached[0] == self._seq and now < cached[1]:
+                return cached[2]
+        seq, items = self.since(-1)
+        body = reply_body(seq, items)
+        with self._lock:
+            self._catch_up = (seq, (items[0].at if items else now) + RETAIN_S, body)
+        return body
+
+
+def reply_body(seq: int, items: list[Outcome]) -> bytes:
+    """A poll's reply as the route sends it (``parse_reply`` reads it back)."""
+    return json.dumps({"seq": seq, "outcomes": [[o.room, o.status, o.message] for o in items]}).encode()
 
 
 def _numbers_only(template: str) -> re.Pattern[str]:
@@ -214,16 +242,15 @@ def note_prefill_finish(tokenizer_manager, obj, out: dict) -> None:
 
 def add_routes(app) -> None:
     """Seam where the bootstrap server sets up its routes: serve OUTCOMES as a long poll
-    (at most POLLS_MAX at once; behind TOKEN_ENV's secret when prefill has one)."""
+    (at most POLLS_MAX at once; behind bootstrap_auth's token when prefill has one)."""
     from aiohttp import web
 
     polls = 0
 
     async def outcomes(request: web.Request) -> web.Response:
         nonlocal polls
-        token = os.environ.get(TOKEN_ENV)
-        if token and not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), token.encode()):
-            raise web.HTTPForbidden(text=f"{OUTCOMES_ROUTE} needs the {TOKEN_HEADER} header set to {TOKEN_ENV}")
+        if not bootstrap_auth.token_ok(request.headers):
+            raise web.HTTPForbidden(text=bootstrap_auth.refused_text(OUTCOMES_ROUTE))
         try:
             after = int(request.query.get("after", "-1"))
         except ValueError:
@@ -232,10 +259,10 @@ def add_routes(app) -> None:
             raise web.HTTPServiceUnavailable(text=f"more than {POLLS_MAX} outcome polls at once")
         polls += 1
         try:
-            seq, items = await OUTCOMES.wait_since(after, LONG_POLL_S)
+            body = await OUTCOMES.reply(after, LONG_POLL_S)
         finally:
             polls -= 1
-        return web.json_response({"seq": seq, "outcomes": [[o.room, o.status, o.message] for o in items]})
+        return web.Response(body=body, content_type="application/json")
 
     app.router.add_get(OUTCOMES_ROUTE, outcomes)
 
@@ -281,7 +308,7 @@ def _watch(addr: str, watcher: _Watcher) -> None:
     seq = -1
     try:
         while time.monotonic() - watcher.wanted_at < WATCH_IDLE_S:
-            poll = urllib.request.Request(f"http://{addr}{OUTCOMES_ROUTE}?after={seq}", headers=_token_header())
+            poll = urllib.request.Request(f"http://{addr}{OUTCOMES_ROUTE}?after={seq}", headers=bootstrap_auth.headers())
             try:
                 new_seq, items = parse_reply(get_json(poll, LONG_POLL_S + 10, REPLY_MAX))
             except urllib.error.HTTPError as exc:
@@ -295,7 +322,7 @@ def _watch(addr: str, watcher: _Watcher) -> None:
                             _not_hardened.popitem(last=False)
                     return
                 metrics.polled("unreadable")
-                _bad_reply(addr, watcher, f"HTTP {exc.code}" + (f": set {TOKEN_ENV} alike on both roles" if exc.code == 403 else ""))
+                _bad_reply(addr, watcher, f"HTTP {exc.code}" + (f": set {bootstrap_auth.TOKEN_ENV} alike on both roles" if exc.code == 403 else ""))
                 continue
             except READ_ERRORS as exc:
                 metrics.polled("unreadable")
@@ -312,11 +339,6 @@ def _watch(addr: str, watcher: _Watcher) -> None:
         with _watched_lock:
             _watchers.pop(addr, None)
         metrics.following(-1)
-
-
-def _token_header() -> dict[str, str]:
-    token = os.environ.get(TOKEN_ENV)
-    return {TOKEN_HEADER: token} if token else {}
 
 
 def _bad_reply(addr: str, watcher: _Watcher, reason: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from ..common.paths import cache_dir
 from ..operations.oracle import Reply, generate
+from ..runtime.bootstrap_auth import TOKEN_ENV
 from .env import SandboxEnv, SandboxError
 
 if TYPE_CHECKING:  # instruments read the checkout's overlay: only a cluster that asks for them needs it
@@ -123,6 +125,8 @@ class Cluster:
     bootstrap_port: int = 0
     startup_s: float = 0.0
     envs: dict[str, SandboxEnv] = field(default_factory=dict)  # each server's build: what a restart runs
+    # both roles' H14/H4 secret, as the recipe's Secret gives it (extra_env may override it)
+    bootstrap_token: str = ""
 
     @property
     def instruments(self) -> Instruments | None:
@@ -179,7 +183,7 @@ class Cluster:
         return {"run_id": self.run_id, "run_dir": str(self.run_dir), "params": asdict(self.params),
                 "bootstrap_port": self.bootstrap_port, "startup_s": round(self.startup_s, 1), "procs": {n: asdict(p) for n, p in self.procs.items()},
                 "envs": {n: {"base": e.base, "python": str(e.python), "path": list(map(str, e.path))} for n, e in self.envs.items()},
-                "urls": {n: p.url for n, p in self.procs.items()}}
+                "urls": {n: p.url for n, p in self.procs.items()}, "bootstrap_token": self.bootstrap_token}
 
     @classmethod
     def from_json(cls, data: dict) -> Cluster:
@@ -187,7 +191,8 @@ class Cluster:
                                   "extra_env": tuple(data["params"]["extra_env"])})
         envs = {n: SandboxEnv(e["base"], Path(e["python"]), tuple(map(Path, e["path"]))) for n, e in data.get("envs", {}).items()}
         return cls(params, data["run_id"], Path(data["run_dir"]),
-                   {n: Proc(**p) for n, p in data["procs"].items()}, data["bootstrap_port"], data["startup_s"], envs)
+                   {n: Proc(**p) for n, p in data["procs"].items()}, data["bootstrap_port"], data["startup_s"], envs,
+                   data.get("bootstrap_token", ""))
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM each group, SIGKILL what is left, then any straggler with our marker."""
@@ -219,8 +224,8 @@ class Cluster:
         deadline = time.monotonic() + 30
         while any(port_in_use(p) for p in ports) and time.monotonic() < deadline:
             time.sleep(0.2)
-        pid, log = spawn(name, proc.cmd, child_env(env, self.params, self.run_id, self.instruments, name),
-                         self.run_dir, append=True)
+        pid, log = spawn(name, proc.cmd, child_env(env, self.params, self.run_id, self.instruments, name,
+                                                   self.bootstrap_token), self.run_dir, append=True)
         self.procs[name] = Proc(name, pid, log, proc.url, proc.port, proc.cmd)
         wait_ready(self, [name], time.monotonic() + deadline_s, healthy)
 
@@ -353,8 +358,9 @@ def cpu_flags(p: ClusterParams, role: str) -> list[str]:
 
 
 def child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instruments | None = None,
-              role: str | None = None) -> dict[str, str]:
-    """A child's environment; ``role`` names a server's, whose ranks get their cores."""
+              role: str | None = None, token: str = "") -> dict[str, str]:
+    """A child's environment; ``role`` names a server's, whose ranks get their cores; ``token``
+    is the cluster's bootstrap token (H14)."""
     e = env.environ()
     if role and p.role_tp(role) > 1:
         e["SGLANG_CPU_OMP_THREADS_BIND"] = rank_cores(p.role_tp(role))
@@ -374,6 +380,8 @@ def child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instr
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     })
+    if token:
+        e[TOKEN_ENV] = token
     e.update(kv.split("=", 1) for kv in (*(instruments.env() if instruments else ()), *p.extra_env))
     return e
 
@@ -456,7 +464,8 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
     run_dir = cache_dir() / "runs" / run_id
     run_dir.mkdir(parents=True)
     pp, bp, dp, lp = _ports([params.prefill_port, 0, params.decode_port, params.lb_port])
-    cluster = Cluster(params, run_id, run_dir, bootstrap_port=bp, envs=role_envs)
+    cluster = Cluster(params, run_id, run_dir, bootstrap_port=bp, envs=role_envs,
+                      bootstrap_token=secrets.token_hex(16))
     if cluster.instruments:
         cluster.instruments.prepare()
     try:
@@ -464,8 +473,8 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
             cmd = _server_cmd(role_envs[role], params, model, role, port)
             if role == "prefill":
                 cmd += ["--disaggregation-bootstrap-port", str(bp)]
-            pid, log = spawn(role, cmd, child_env(role_envs[role], params, run_id, cluster.instruments, role),
-                             run_dir)
+            pid, log = spawn(role, cmd, child_env(role_envs[role], params, run_id, cluster.instruments, role,
+                                                  cluster.bootstrap_token), run_dir)
             cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port, cmd)
         # mini-lb reaches the servers only per request, so it loads (it imports sglang) beside them;
         # ours and smg check their health at start (smg asks again only 30 s later), so they start

@@ -214,3 +214,40 @@ def hang_up(conns: list[http.client.HTTPConnection]) -> None:
         if conn.sock is not None:
             conn.sock.close()
         conn.close()
+
+
+# --- H14: the bootstrap server's registration table --------------------------------------------
+
+RANK0 = "prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+ATTACKER = "127.0.0.2"  # another host as the bootstrap server sees it (loopback is a /8)
+DEAD_PORT = 9  # discard: nothing listens there
+
+
+def bootstrap_call(cluster: Cluster, method: str, path: str, body: dict | str | None = None,
+                   headers: dict | None = None, source: str = "127.0.0.1") -> tuple[int, str]:
+    """One request to prefill's bootstrap server from ``source``: (status, text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.bootstrap_port, timeout=10, source_address=(source, 0))
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"content-type": "application/json", **(headers or {})})
+        reply = conn.getresponse()
+        return reply.status, reply.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def rank0_registration(cluster: Cluster) -> tuple[dict, dict]:
+    """Rank 0's entry as decode reads it, and a registration upstream 0.5.23 takes for it (every
+    field its handler requires, from what the server says of itself)."""
+    status, text = bootstrap_call(cluster, "GET", f"/route?{RANK0}")
+    assert status == 200, (status, text)
+    entry = json.loads(text)
+    status, text = bootstrap_call(cluster, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1")
+    assert status == 200, (status, text)
+    info = json.loads(text)
+    body = {"attn_tp_size": info["attn_tp_size"], "attn_tp_rank": 0, "attn_cp_size": info["attn_cp_size"],
+            "attn_cp_rank": 0, "attn_dp_size": info["dp_size"], "attn_dp_rank": 0, "pp_size": info["pp_size"],
+            "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0, "page_size": info["page_size"],
+            "kv_cache_dtype": info["kv_cache_dtype"], "prefill_http_port": info["prefill_http_port"],
+            "decode_allocation_policy": info["decode_allocation_policy"], **entry}
+    return entry, body

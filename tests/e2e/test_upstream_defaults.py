@@ -1,16 +1,19 @@
 """What upstream 0.5.23 says about itself and runs with when started as its docs say (H0, H10's
 upstream side): preflight finds no `hardening` field in /server_info, so nothing tells an operator
-which fixes it carries, and KV checksums off on both roles, the setting `launch` turns on. The
-twins are tests/e2e/test_probes_safe.py's, on a hardened 0.5.23 started through `launch`. The
-cluster is test_lb.py's (shared: no start of its own when both run)."""
+which fixes it carries, and KV checksums off on both roles, the setting `launch` turns on; and
+whom its bootstrap server takes registrations from (H14's upstream side). The twins are
+tests/e2e/test_probes_safe.py's, on a hardened 0.5.23 started through `launch`. The cluster is
+test_lb.py's (shared: no start of its own when both run)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from sglang_hardened.operations.preflight import preflight
 
-from .scenarios import TIMEOUT_PARAMS
+from .scenarios import ATTACKER, DEAD_PORT, RANK0, TIMEOUT_PARAMS, bootstrap_call, rank0_registration
 
 pytestmark = pytest.mark.e2e
 CLUSTER = ("0.5.23", False, TIMEOUT_PARAMS)
@@ -27,3 +30,19 @@ def test_upstream_0523_says_nothing_of_its_fixes_and_runs_without_kv_checksums(s
     assert all(n.info is not None and "hardening" not in n.info for n in report.nodes), \
         "upstream's /server_info has no hardening field"
     assert all(n.get("disaggregation_enable_kv_checksum") is False for n in report.nodes)
+
+
+@pytest.mark.claim("H14", "upstream")
+def test_upstream_0523_lets_any_host_replace_a_prefill_ranks_registration(shared_cluster):
+    """A tokenless PUT from another address points rank 0 at a dead port: every decode that
+    bootstraps after it (a restart, a new replica) sends its transfers there. Put back at the
+    end, so the shared cluster's next decode start is not the one that pays."""
+    genuine, body = rank0_registration(shared_cluster)
+    try:
+        assert bootstrap_call(shared_cluster, "PUT", "/route", {**body, "rank_port": DEAD_PORT},
+                              source=ATTACKER) == (200, "OK")
+        status, text = bootstrap_call(shared_cluster, "GET", f"/route?{RANK0}")
+        assert status == 200 and json.loads(text)["rank_port"] == DEAD_PORT, text
+    finally:
+        assert bootstrap_call(shared_cluster, "PUT", "/route", body)[0] == 200
+    assert json.loads(bootstrap_call(shared_cluster, "GET", f"/route?{RANK0}")[1]) == genuine

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_hardened.runtime import coverage, outcomes
+from sglang_hardened.runtime import bootstrap_auth, coverage, outcomes
 from sglang_hardened.runtime import page_tags_seams as seams
 from sglang_hardened.runtime.page_tags import DecodePageTags
 from sglang_hardened.runtime.coverage import SHORTFALL
@@ -112,7 +112,7 @@ def _route_client(monkeypatch, log: OutcomeLog | None = None):
 
 
 def test_outcomes_route_serves_the_log_and_refuses_a_malformed_position(monkeypatch):
-    monkeypatch.delenv(outcomes.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(bootstrap_auth.TOKEN_ENV, raising=False)
     log = OutcomeLog()
     log.add(7, 400, TOO_LONG)
 
@@ -131,7 +131,7 @@ def test_long_polls_hold_no_thread_and_are_capped(monkeypatch):
     """Finding (review): each poll held an executor thread for its 5 s, with no cap. The polls wait
     until an outcome ends them, not for a deadline: on a slow host early ones would end before
     the last one arrived."""
-    monkeypatch.delenv(outcomes.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(bootstrap_auth.TOKEN_ENV, raising=False)
     monkeypatch.setattr(outcomes, "POLLS_MAX", 20)
     monkeypatch.setattr(outcomes, "LONG_POLL_S", WAIT_S)
     log = OutcomeLog()
@@ -159,7 +159,7 @@ def test_a_burst_of_outcomes_reaches_a_follower_in_a_few_replies_not_one_each(mo
     replies (44 % of a core at 32 followers and 50 outcomes/s), a rate a client sending
     oversized prompts sets. A reply now waits until its first outcome is COALESCE_S old, also
     when the poll found it waiting (outcomes faster than a round trip: the tight burst)."""
-    monkeypatch.delenv(outcomes.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(bootstrap_auth.TOKEN_ENV, raising=False)
     log = OutcomeLog()
 
     def burst() -> float:
@@ -189,19 +189,19 @@ def test_a_burst_of_outcomes_reaches_a_follower_in_a_few_replies_not_one_each(mo
 
 
 def test_with_a_token_only_a_decode_that_sends_it_reads_the_outcomes(monkeypatch):
-    monkeypatch.setenv(outcomes.TOKEN_ENV, "s3cret")
+    monkeypatch.setenv(bootstrap_auth.TOKEN_ENV, "s3cret")
     log = OutcomeLog()
     log.add(7, 400, TOO_LONG)
 
     async def run():
         async with _route_client(monkeypatch, log) as client:
             statuses = []
-            for headers in ({}, {outcomes.TOKEN_HEADER: "guess"}, {outcomes.TOKEN_HEADER: "s3cret"}):
+            for headers in ({}, {bootstrap_auth.TOKEN_HEADER: "guess"}, {bootstrap_auth.TOKEN_HEADER: "s3cret"}):
                 statuses.append((await client.get(outcomes.OUTCOMES_ROUTE, headers=headers)).status)
             return statuses
 
     assert asyncio.run(run()) == [403, 403, 200]
-    assert outcomes._token_header() == {outcomes.TOKEN_HEADER: "s3cret"}  # what decode's watchers send
+    assert bootstrap_auth.headers() == {bootstrap_auth.TOKEN_HEADER: "s3cret"}  # what decode's watchers send
 
 
 def _prefill_manager(mode="prefill"):
@@ -380,3 +380,34 @@ def test_an_admission_refusal_on_prefill_is_counted_as_h1(monkeypatch, mode, mes
     outcomes.note_prefill_finish(_prefill_manager(mode), SimpleNamespace(bootstrap_room=42),
                                  {"meta_info": {"finish_reason": reason}})
     assert counts == ([("H1", "prefill", "input_too_long")] if counted else [])
+
+
+def test_catch_up_polls_share_one_listing_and_wait_like_any_reply(monkeypatch):
+    """Finding (#44): a poll with after=-1 skipped the coalescing and listed and serialised every
+    retained outcome (up to RETAIN_MAX) for each poll at once, so a loop of them, from anyone who
+    reaches the port without a token, kept prefill's HTTP process busy. Now one body serves every
+    catch-up until the log changes, and each waits COALESCE_S (a lower bound: never flaky)."""
+    monkeypatch.delenv(bootstrap_auth.TOKEN_ENV, raising=False)
+    log = OutcomeLog()
+    for room in range(1000):
+        log.add(room, 400, TOO_LONG)
+    listed = []
+    real_since = log.since
+    monkeypatch.setattr(log, "since", lambda seq: listed.append(seq) or real_since(seq))
+
+    async def run():
+        async with _route_client(monkeypatch, log) as client:
+            began = time.monotonic()
+            replies = await asyncio.gather(*(client.get(outcomes.OUTCOMES_ROUTE, params={"after": "-1"})
+                                             for _ in range(30)))
+            took = time.monotonic() - began
+            bodies = [await r.json() for r in replies]
+            log.add(5000, 400, TOO_LONG)
+            after = await (await client.get(outcomes.OUTCOMES_ROUTE, params={"after": "-1"})).json()
+            return took, bodies, after
+
+    took, bodies, after = asyncio.run(run())
+    assert all(b == {"seq": 1000, "outcomes": [[r, 400, TOO_LONG] for r in range(1000)]} for b in bodies)
+    assert listed == [-1, -1], f"one listing for 30 catch-ups, one after the log changed: {listed}"
+    assert took >= outcomes.COALESCE_S
+    assert after["seq"] == 1001 and after["outcomes"][-1] == [5000, 400, TOO_LONG]
