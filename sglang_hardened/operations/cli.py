@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,11 @@ def _echo_findings(findings: list) -> None:
 @click.option("--decode", multiple=True, required=True, metavar="URL", help="A decode node's HTTP URL (repeatable).")
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per query.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON here.")
-def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float, json_path: Path | None) -> None:
+@click.option("--bootstrap/--no-bootstrap", default=True, show_default=True,
+              help="Also read each hardened prefill's registered input limit from its bootstrap port (shown, not "
+                   "judged); --no-bootstrap where a network policy keeps this host off that port.")
+def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float, json_path: Path | None,
+              bootstrap: bool) -> None:
     """Check every live node of a PD deployment; exit 1 on any unsafe finding.
 
     Reports each node's hardened version and hardening ids, KV pool vs
@@ -36,11 +41,12 @@ def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float,
     \b
     Example:
       sglang-hardened preflight --prefill http://10.0.0.1:30000 --decode http://10.0.0.2:30000
+      sglang-hardened preflight --prefill http://prefill:30000 --decode http://decode:30000 --no-bootstrap
     """
     from .preflight import NODE_COLUMNS, node_row
     from .preflight import preflight as run_preflight
 
-    report = run_preflight(list(prefill), list(decode), timeout)
+    report = run_preflight(list(prefill), list(decode), timeout, bootstrap)
     click.echo(format_table(NODE_COLUMNS, [node_row(n) for n in report.nodes]))
     _echo_findings(report.findings)
     if json_path:
@@ -158,8 +164,6 @@ def launch(base: str | None, dry_run: bool, sglang_args: tuple[str, ...]) -> Non
     Example:
       sglang-hardened launch -- --model-path /models/llama --disaggregation-mode prefill
     """
-    import os
-
     from .launch import exec_sglang, installed_base, plan
 
     result = plan(base or installed_base(), list(sglang_args), dict(os.environ))
@@ -173,7 +177,7 @@ def launch(base: str | None, dry_run: bool, sglang_args: tuple[str, ...]) -> Non
 
 @click.group()
 def deploy() -> None:
-    """The Kubernetes recipe (deploy/kubernetes/): check its parameters before applying it.
+    """The Kubernetes recipe (deploy/kubernetes/): check its parameters and wiring before applying it.
 
     \b
     Example:
@@ -183,22 +187,37 @@ def deploy() -> None:
 
 @deploy.command("check")
 @click.argument("params_file", type=click.Path(path_type=Path), default="deploy/kubernetes/params/params.env")
-def deploy_check(params_file: Path) -> None:
-    """Judge a parameter file with preflight's rules; exit 1 on any unsafe finding.
+@click.option("--overlay", "overlays", multiple=True, type=click.Path(path_type=Path, file_okay=False),
+              help="A kustomization to render and judge (repeatable); default: the recipe's lws and rbg "
+                   "next to the parameter file's folder.")
+def deploy_check(params_file: Path, overlays: tuple[Path, ...]) -> None:
+    """Judge a parameter file with preflight's rules, and the rendered overlays' wiring of the
+    secrets; exit 1 on any unsafe finding.
 
     Pool vs context on both roles, input limits equal across roles, the same
-    page size, KV dtype and transfer backend, and a hardened image tag. The
+    page size, KV dtype and transfer backend, and a hardened image tag. Each
+    overlay is rendered with `kubectl kustomize`: both roles must take the
+    bootstrap token, and smg its control-plane key, from a Secret. The
     live servers are judged again by the gateway's preflight gate.
 
     \b
     Example:
       sglang-hardened deploy check deploy/kubernetes/params/params.env && kubectl apply -k deploy/kubernetes/lws
+      sglang-hardened deploy check my-site/params.env --overlay my-site/
     """
     from .deploy_check import check, read_params
+    from .deploy_wiring import judge_wiring, overlays_of, render, secrets_read
 
     params = read_params(params_file)
+    rendered = {path: render(path) for path in overlays_of(params_file, list(overlays))}
     findings = check(params)
+    for path, docs in rendered.items():
+        findings += judge_wiring(docs, os.path.relpath(path))
     click.echo(format_table(("key", "value"), sorted(params.values.items())))
+    click.echo()
+    click.echo(format_table(("overlay", "Secret values its pods read"),
+                            [(os.path.relpath(path), ", ".join(secrets_read(docs)) or "-")
+                             for path, docs in rendered.items()]))
     _echo_findings(findings)
     unsafe = any(f.severity == "unsafe" for f in findings)
     click.echo(f"\ndeploy check: {'UNSAFE' if unsafe else 'ok'}")

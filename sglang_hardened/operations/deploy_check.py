@@ -58,8 +58,9 @@ def read_params(path: Path) -> Params:
         if not line.strip() or line.startswith("#"):
             continue
         key, sep, value = line.partition("=")
-        if not sep or key not in PARAMS:
-            raise HardenedError(f"{path}:{number}: {line!r} is not one of KEY=VALUE with KEY in {', '.join(PARAMS)}")
+        if not sep or key not in PARAMS:  # the value is not shown: it may be a secret put in the wrong place
+            raise HardenedError(f"{path}:{number}: {key!r} is not one of the recipe's parameters ({', '.join(PARAMS)}); "
+                                "a secret goes in the recipe's Secret, not here (docs/kubernetes.md)")
         if key in values:
             raise HardenedError(f"{path}:{number}: {key} is set twice")
         if UNSAFE_VALUE.search(value):

@@ -3,7 +3,8 @@
 Reads GET /server_info (or /get_server_info on releases that only have
 that) from each prefill and decode node, and GET /hardened/limits from each
 prefill's bootstrap server (hardened nodes only; it is the input limit a
-hardened decode compares its own with). Findings are ``unsafe`` (exit
+hardened decode compares its own with, shown beside the node's own and not judged: a
+caller the network keeps off that port, as the recipe's gate, skips it). Findings are ``unsafe`` (exit
 non-zero: the deployment can show one tenant's data to another or hang a
 client) or ``warn`` (a defence that is off or cannot be observed); each
 carries its remedy.
@@ -81,8 +82,9 @@ def _get_json(url: str, timeout: float) -> dict:
         return json.load(reply)
 
 
-def probe(role: str, url: str, timeout: float = 10.0) -> Node:
-    """What one node reports; an unreachable node comes back with ``error`` set."""
+def probe(role: str, url: str, timeout: float = 10.0, bootstrap: bool = True) -> Node:
+    """What one node reports; an unreachable node comes back with ``error`` set. ``bootstrap``:
+    read a prefill's registered limit from its bootstrap port too."""
     url = url.rstrip("/")
     info, error = None, ""
     for route in INFO_ROUTES:
@@ -94,7 +96,7 @@ def probe(role: str, url: str, timeout: float = 10.0) -> Node:
     if info is None:
         return Node(role, url, None, error)
     limit = None
-    if role == "prefill" and info.get("disaggregation_bootstrap_port"):
+    if bootstrap and role == "prefill" and info.get("disaggregation_bootstrap_port"):
         host = urlparse(url).hostname
         try:
             limit = _get_json(f"http://{host}:{info['disaggregation_bootstrap_port']}{LIMITS_ROUTE}",
@@ -199,6 +201,6 @@ def node_row(n: Node) -> tuple[str, ...]:
             _deferred_release(n) if n.role == "decode" else "-", str(n.get("disaggregation_transfer_backend")))
 
 
-def preflight(prefill: list[str], decode: list[str], timeout: float = 10.0) -> Report:
-    nodes = [probe("prefill", u, timeout) for u in prefill] + [probe("decode", u, timeout) for u in decode]
+def preflight(prefill: list[str], decode: list[str], timeout: float = 10.0, bootstrap: bool = True) -> Report:
+    nodes = [probe("prefill", u, timeout, bootstrap) for u in prefill] + [probe("decode", u, timeout) for u in decode]
     return Report(nodes, judge(nodes))

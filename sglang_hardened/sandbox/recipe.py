@@ -6,13 +6,16 @@ expands them (`$(VAR)` from the container's environment: the params ConfigMap th
 envFrom, then its env; the pod IP is 127.0.0.1). What a pod network, a GPU and an RDMA NIC
 give is stood in for, and only that (`localize`): each Service becomes 127.0.0.1 with a free
 port per server, `--host 0.0.0.0` becomes 127.0.0.1, the servers get the sandbox's CPU flags,
-Mooncake runs over TCP, and `sglang-hardened` is the sandbox build's (as the image installs it).
+Mooncake runs over TCP, `sglang-hardened` is the sandbox build's (as the image installs it), and
+each Secret the pods read holds a random value (`stand_in_secret`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..common.paths import cache_dir
+from ..operations import deploy_wiring
+from ..operations.deploy_wiring import pod_templates
 from .cluster import (
     BACKENDS,
     Cluster,
@@ -41,9 +46,9 @@ from .cluster import (
 from .env import SandboxEnv, SandboxError
 
 RECIPE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
-COMPONENT = "app.kubernetes.io/component"
 SERVICE_OF = {"prefill": "sglang-hardened-prefill", "decode": "sglang-hardened-decode", "gateway": "sglang-hardened-gateway"}
 _REFERENCE = re.compile(r"\$\$|\$\((\w+)\)")
+_SECRET_SALT = secrets.token_hex(16)
 
 
 @dataclass(frozen=True)
@@ -59,40 +64,18 @@ class Container:
 
 def render(overlay: str, params_text: str | None = None) -> list[dict]:
     """`kubectl kustomize` of an overlay of deploy/kubernetes, with another params.env if given."""
-    import yaml
-
-    if shutil.which("kubectl") is None:
-        raise SandboxError("kubectl is not on PATH: the recipe is rendered with `kubectl kustomize`")
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "kubernetes"
         shutil.copytree(RECIPE, tree)
         if params_text is not None:
             (tree / "params" / "params.env").write_text(params_text)
-        out = subprocess.run(["kubectl", "kustomize", str(tree / overlay)], capture_output=True, text=True,
-                             check=False)
-    if out.returncode:
-        raise SandboxError(f"kubectl kustomize {overlay} failed: {out.stderr.strip()}")
-    return list(yaml.safe_load_all(out.stdout))
+        return deploy_wiring.render(tree / overlay)
 
 
-def pod_templates(docs: list[dict]) -> dict[str, dict]:
-    """Each workload's pod template by the component it runs (prefill, decode, gateway, canary)."""
-    out = {}
-    for doc in docs:
-        spec = doc.get("spec", {})
-        if doc["kind"] == "Deployment":
-            templates = [spec["template"]]
-        elif doc["kind"] == "CronJob":
-            templates = [spec["jobTemplate"]["spec"]["template"]]
-        elif doc["kind"] == "LeaderWorkerSet":
-            templates = [spec["leaderWorkerTemplate"]["workerTemplate"]]
-        elif doc["kind"] == "RoleBasedGroup":
-            templates = [role["standalonePattern"]["template"] for role in spec["roles"]]
-        else:
-            templates = []
-        for template in templates:
-            out[template["metadata"]["labels"][COMPONENT]] = template
-    return out
+def stand_in_secret(name: str, key: str) -> str:
+    """What the operator's Secret would hold for `name`/`key`: random for this process, the same
+    for every container that reads it (both roles share the bootstrap token)."""
+    return hashlib.sha256(f"{_SECRET_SALT}/{name}/{key}".encode()).hexdigest()[:32]
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -113,6 +96,8 @@ def _environment(container: dict, config_maps: dict[str, dict]) -> dict[str, str
             env[var["name"]] = expand(var["value"], env)
         elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[var["name"]] = "127.0.0.1"
+        elif ref := var.get("valueFrom", {}).get("secretKeyRef"):
+            env[var["name"]] = stand_in_secret(ref["name"], ref["key"])
         else:
             raise SandboxError(f"{container['name']}: env {var['name']} comes from {var.get('valueFrom')}, "
                                "which the sandbox cannot stand in for")
