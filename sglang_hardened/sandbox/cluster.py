@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..common.paths import cache_dir
+from ..operations.deploy_wiring import SMG_KEYS_FLAG
 from ..operations.oracle import Reply, generate
 from ..runtime.bootstrap_auth import TOKEN_ENV
 from .env import SandboxEnv, SandboxError
@@ -501,11 +502,14 @@ def _start_lb(cluster: Cluster, env: SandboxEnv, kind: str, name: str, port: int
     with the SGLang environment, ours from the tool's own (this interpreter), each as an
     operator's router runs: without the SGLang wheel on its path (mini-lb imports SGLang only for
     tracing, which is off: 5 CPU-seconds a start). smg's metrics listener would take 0.0.0.0:29000
-    in every cluster: it gets a free port on 127.0.0.1."""
+    in every cluster: it gets a free port on 127.0.0.1. smg gets an admin key of its own, as the
+    recipe's from its Secret: without one, anyone who reaches its port changes its worker pool;
+    whoever needs it reads it from the Proc's argv, as an operator from the Secret."""
     if kind in PD_ROUTERS:
         cmd = [str(env.python), "-m", *PD_ROUTERS[kind], "--prefill", cluster.prefill_url, str(cluster.bootstrap_port)]
         if kind == "smg":
-            cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+            cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                    SMG_KEYS_FLAG, f"sandbox:operator:admin:{secrets.token_hex(16)}"]
         lb_env = child_env(env, cluster.params, cluster.run_id)
         lb_env.pop("PYTHONPATH")
     else:
@@ -513,7 +517,7 @@ def _start_lb(cluster: Cluster, env: SandboxEnv, kind: str, name: str, port: int
         lb_env = {**os.environ, MARKER: cluster.run_id}
     cmd += ["--decode", cluster.decode_url, "--host", "127.0.0.1", "--port", str(port)]
     pid, log = spawn(name, cmd, lb_env, cluster.run_dir)
-    cluster.procs[name] = Proc(name, pid, log, f"http://127.0.0.1:{port}", port)
+    cluster.procs[name] = Proc(name, pid, log, f"http://127.0.0.1:{port}", port, cmd)
 
 
 def serves(url: str) -> bool:

@@ -4,6 +4,7 @@ deploy/kubernetes/lws is rendered with CPU-sized parameters and each container's
 arguments and environment run as the kubelet would start them (sandbox/recipe.py). Stand-ins,
 and only these: each Service is 127.0.0.1 with a free port, the servers get the sandbox's CPU
 flags, the params name the sandbox's model and Mooncake over TCP (no RDMA NIC here).
+Each Secret the pods read holds a random value, and smg's worker routes are shown to take only its key.
 Cost: two server starts, the gateway, one canary run and one refused prefill start.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 
 import pytest
@@ -23,6 +25,7 @@ from sglang_hardened.sandbox.model import ensure_model
 from tests.harness import CLUSTER_START, SERVER_RESTART, phase
 
 from .conftest import PORTS_USED, sandbox_env
+from .test_smg_control_plane import REFUSED, admin_key, call
 
 pytestmark = pytest.mark.e2e
 
@@ -58,6 +61,9 @@ def deployment(request, tmp_path):
 def test_the_recipes_commands_serve_pass_the_gate_and_the_canary_and_an_unsafe_pool_fails_the_gate(deployment):
     running, model, tmp_path = deployment
     assert running.cluster.generate("the recipe serves").status == 200  # through smg, as a client would
+    # smg's worker routes take the Secret's key only, as the recipe passes it
+    assert call(running.cluster.lb_url, "GET", "/workers")[0] in REFUSED
+    assert call(running.cluster.lb_url, "GET", "/workers", admin_key(running.cluster, "lb"))[0] == 200
 
     gate = running.containers["gateway/preflight-gate"]
     passed = running.run(gate, gate.probe, timeout_s=120)
@@ -73,8 +79,9 @@ def test_the_recipes_commands_serve_pass_the_gate_and_the_canary_and_an_unsafe_p
     # The same recipe with prefill's pool under the context: deploy check refuses the file before
     # anything is applied; applied anyway, H7 refuses to start prefill and the gate fails.
     unsafe_text = params_text(MODEL_PATH=model, **{**CPU_PARAMS, "PREFILL_MAX_TOTAL_TOKENS": "512"})
-    (tmp_path / "params.env").write_text(unsafe_text)
-    checked = CliRunner().invoke(main, ["deploy", "check", str(tmp_path / "params.env")])
+    shutil.copytree(recipe.RECIPE, tmp_path / "kubernetes")  # the operator's copy of the recipe
+    (tmp_path / "kubernetes" / "params" / "params.env").write_text(unsafe_text)
+    checked = CliRunner().invoke(main, ["deploy", "check", str(tmp_path / "kubernetes" / "params" / "params.env")])
     assert checked.exit_code == 1 and "fewer than the context length 1024" in " ".join(checked.output.split())
     unsafe_prefill = recipe.containers(recipe.render("lws", unsafe_text))["prefill/server"]
     with phase(f"{SERVER_RESTART} prefill {BASE} recipe"):
