@@ -7,14 +7,18 @@ before 0.5.21, lets decode run over pages the transfer never wrote.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
 import os
 import random
+import re
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from packaging.version import Version
@@ -251,3 +255,42 @@ def rank0_registration(cluster: Cluster) -> tuple[dict, dict]:
             "kv_cache_dtype": info["kv_cache_dtype"], "prefill_http_port": info["prefill_http_port"],
             "decode_allocation_policy": info["decode_allocation_policy"], **entry}
     return entry, body
+
+
+# --- H15: an abort by rid --------------------------------------------------------------------
+
+ATTACKER_RIDS = "0123456789abcdef"  # every first character a uuid4 hex rid can have
+
+
+@contextlib.contextmanager
+def rid_prefix_attack(cluster: Cluster) -> Iterator[list[Future[Reply]]]:
+    """Four victims wait on decode for their prefill (their rids uuid4 hex, as SGLang makes
+    them), then a client sends requests with the rids "0" to "f", as a gateway that passes rids
+    on forwards them, and hangs up. Yields the victims' replies to come; on leaving, each victim
+    still waiting is ended by an abort naming its own rid."""
+    rids = [uuid.uuid4().hex for _ in range(4)]
+    with ThreadPoolExecutor(len(rids)) as pool:
+        victims = [pool.submit(generate, cluster.decode_url, FITTING_C, 4, 120,
+                               {"rid": rid, **bootstrap_fields(cluster)}) for rid in rids]
+        try:
+            conns = [post(cluster.decode_url, {"text": FITTING_C, "rid": rid, **bootstrap_fields(cluster)})
+                     for rid in ATTACKER_RIDS]
+            time.sleep(2.0)  # the attacker's requests are the decode's before it hangs up (µs apart)
+            hang_up(conns)
+            yield victims
+        finally:
+            for rid, victim in zip(rids, victims):
+                if not victim.done():
+                    abort(cluster.decode_url, rid)
+            wait(victims, 60)
+
+
+def abort(url: str, rid: str) -> None:
+    """``POST /abort_request`` naming ``rid`` (what a client's hang-up makes SGLang do)."""
+    urllib.request.urlopen(urllib.request.Request(f"{url}/abort_request", data=json.dumps({"rid": rid}).encode(),
+                                                  headers={"content-type": "application/json"}), timeout=10).read()
+
+
+def attacker_aborts(cluster: Cluster) -> set[str]:
+    """The attacker's rids whose requests decode's log shows ended by their abort."""
+    return set(re.findall(r"rid='([0-9a-f])'.*Aborted by AbortReq", cluster.log_tail("decode", 4000)))

@@ -2,7 +2,8 @@
 both servers started through `sglang-hardened launch` as an operator would (H10's policy applied
 where it runs: the flags it adds must start, serve, and read back from /server_info), with the
 bootstrap token the sandbox sets as the recipe does; and its bootstrap server refuses a forged
-registration (H14), so decode still serves after a restart."""
+registration (H14), so decode still serves after a restart, and a client's rid ends only its
+own requests (H15)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from sglang_hardened.runtime.bootstrap_auth import TOKEN_HEADER
 from tests.harness import eventually
 
 from .conftest import restart
-from .scenarios import ATTACKER, DEAD_PORT, FITTING_C, RANK0, bootstrap_call, rank0_registration
+from .scenarios import (ATTACKER, ATTACKER_RIDS, DEAD_PORT, FITTING_C, RANK0, attacker_aborts, bootstrap_call,
+                        rank0_registration, rid_prefix_attack)
 
 pytestmark = pytest.mark.e2e
 CLUSTER = ("0.5.23", True, dict(prefill_pool_tokens=2048, decode_pool_tokens=4096, context_length=1024, lb="hardened",
@@ -62,3 +64,13 @@ def test_a_forged_registration_changes_nothing_and_decode_serves_after_a_restart
     assert eventually(lambda: replies.append(generate(shared_cluster.lb_url, FITTING_C, max_new_tokens=4,
                                                       timeout=120)) or replies[-1].status == 200, 60, 1.0), \
         [(r.status, r.body[:300]) for r in replies[-2:]]
+
+
+@pytest.mark.claim("H15", "hardened")
+def test_a_clients_rid_ends_only_its_own_requests(shared_cluster):
+    """Upstream's twin: tests/e2e/test_upstream_defaults.py. Once decode has ended every one of
+    the attacker's requests, the four victims still wait for their prefill."""
+    with rid_prefix_attack(shared_cluster) as victims:
+        assert eventually(lambda: attacker_aborts(shared_cluster) == set(ATTACKER_RIDS), 30, 0.5), \
+            sorted(attacker_aborts(shared_cluster))
+        assert not any(v.done() for v in victims), [v.result().body[:200] for v in victims if v.done()]
