@@ -8,7 +8,7 @@ what every 200 for that prompt must be; a prompt the quiet cluster refuses must 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ...operations.filler import filler, tokens_per_word
@@ -19,6 +19,7 @@ from ..env import SandboxError
 MARGIN = 16  # tokens kept clear of a limit, for the words' measured cost being an average
 OVER = 48  # tokens an over-limit prompt goes past its limit by
 MAX_NEW = (4, 16)  # output tokens of a prompt (uniform, drawn with the seed)
+FIT_TRIES = 8  # quiet requests a fitting prompt may take to come under its limit
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,21 @@ def fitting_lengths(p: ClusterParams) -> list[int]:
     return sorted({n for n in around + spread if 1 <= n <= limit})
 
 
+def _fitted(prompt: Prompt, send: Callable[[str, int], Reply], per_word: float) -> tuple[Prompt, Reply]:
+    """``prompt`` as the server counts it, with its quiet answer: the words' cost is an average
+    and a seed can draw the dear ones, so a prompt drawn near the limit may come out past it
+    (400); words are dropped from its end (the rest stays the same draw) until the quiet cluster
+    takes it, FIT_TRIES asks at most."""
+    words = prompt.text.split()
+    for _ in range(FIT_TRIES):
+        fitted = Prompt(" " + " ".join(words), prompt.tokens, prompt.max_new_tokens)
+        reply = send(fitted.text, fitted.max_new_tokens)
+        if reply.status != 400 or len(words) == 1:
+            break
+        words = words[:max(1, len(words) - max(1, round(MARGIN / per_word)))]
+    return fitted, reply
+
+
 def build(lb_url: str, params: ClusterParams, seed: int, timeout_s: float, kinds: Iterable[str]) -> Catalogue:
     """Draw the prompts ``kinds`` send and ask the quiet cluster each one, in turn."""
     def send(text: str, max_new_tokens: int = 1) -> Reply:
@@ -78,8 +94,10 @@ def build(lb_url: str, params: ClusterParams, seed: int, timeout_s: float, kinds
     cat = Catalogue(prompts(fitting_lengths(params), "fits"),
                     prompts([params.prefill_pool_tokens + OVER], "pool") if "over-pool" in kinds else [],
                     prompts([limit + OVER], "limit") if "over-limit" in kinds else [], {})
-    for prompt in cat.fitting + cat.over_pool + cat.over_limit:
-        reply = send(prompt.text, prompt.max_new_tokens)
+    answered = [_fitted(prompt, send, per_word) for prompt in cat.fitting]
+    cat.fitting = [prompt for prompt, _ in answered]
+    answered += [(prompt, send(prompt.text, prompt.max_new_tokens)) for prompt in cat.over_pool + cat.over_limit]
+    for prompt, reply in answered:
         cat.expected[prompt.text] = Expected(reply.status, reply.output_ids)
     if refused := {p.tokens: cat.expected[p.text].status for p in cat.fitting if cat.expected[p.text].status != 200}:
         raise SandboxError(f"the quiet cluster refused fitting prompts (tokens: HTTP status) {refused}: "
