@@ -100,7 +100,10 @@ class _Sender:
         if len(self.sent) >= self.plan.max_requests or time.monotonic() > self.deadline:
             raise HardenedError(f"canary budget spent ({len(self.sent)} requests, "
                                 f"{self.plan.time_budget_s:g} s) before the probe finished")
-        reply = generate(self.url, prompt, self.plan.max_new_tokens, self.plan.request_timeout_s)
+        try:
+            reply = generate(self.url, prompt, self.plan.max_new_tokens, self.plan.request_timeout_s)
+        except OSError as exc:  # refused, reset, unresolvable, timed out: no answer to judge
+            raise HardenedError(f"{self.url} did not answer: {getattr(exc, 'reason', exc)}") from None
         self.sent.append((prompt, reply))
         return reply
 
@@ -118,7 +121,12 @@ def run_canary(url: str, plan: Plan) -> CanaryReport:
     start = time.monotonic()
     send = _Sender(url.rstrip("/"), plan)
     report = CanaryReport(url)
-    per_word = tokens_per_word(send)
+    try:
+        per_word = tokens_per_word(send)
+    except HardenedError as exc:  # what a CronJob sees when the gate has closed the gateway
+        report.checks.append(Check("the deployment answers", False, str(exc)))
+        report.requests, report.seconds = len(send.sent), time.monotonic() - start
+        return report
     canaries = {f"tenant-{i}": f"CANARY-{uuid.uuid4().hex[:CANARY_HEX]}" for i in range(plan.tenants)}
     tenant_tokens = max(8, min(plan.pool_tokens, plan.context_length) * 7 // 10)
     histories = {t: [_tenant_prompt(per_word, tenant_tokens, t, c)] * plan.repeats for t, c in canaries.items()}
@@ -127,8 +135,8 @@ def run_canary(url: str, plan: Plan) -> CanaryReport:
     probes = {"over-pool": filler(per_word, over_pool, "probe"), "fitting": filler(per_word, min(64, tenant_tokens), "probe")}
     try:
         verdicts = {name: differential_check(send, p, histories, plan.rounds) for name, p in probes.items()}
-    except HardenedError as exc:
-        report.checks.append(Check("budget", False, str(exc)))
+    except HardenedError as exc:  # the budget spent, or the deployment stopped answering
+        report.checks.append(Check("probe finished", False, str(exc)))
         verdicts = {}
     report.checks.append(_cross_tenant(send.sent, canaries))
     if verdicts:
