@@ -39,6 +39,20 @@ RUN --mount=type=bind,target=/wheels \
       "sglang==${HARDENED_VERSION}" "sglang-hardened==${TOOL_VERSION}" \
  && sglang-hardened info
 
+# The server runs as a user of its own, numeric so that a pod's runAsNonRoot can check it (uid
+# 1000 is taken by the ubuntu user of upstream's Ubuntu 24.04 base). Its home is the working
+# directory and holds what SGLang and its kernels write at run time (~/.cache: Hugging Face,
+# FlashInfer's and DeepGEMM's JIT; ~/.triton); /sgl-workspace, upstream's source tree, stays
+# root's. RDMA then pins memory within the memlock limit the container is given (docs/image.md).
+ARG SGLANG_UID=10001
+RUN groupadd --gid "${SGLANG_UID}" sglang \
+ && useradd --uid "${SGLANG_UID}" --gid "${SGLANG_UID}" --create-home --home-dir /home/sglang \
+      --shell /usr/sbin/nologin sglang \
+ && install -d -o "${SGLANG_UID}" -g "${SGLANG_UID}" /home/sglang/.cache /home/sglang/.triton
+ENV HOME=/home/sglang
+WORKDIR /home/sglang
+USER ${SGLANG_UID}:${SGLANG_UID}
+
 # SGLang's default port; set this too when passing --port to the server.
 ENV SGLANG_HARDENED_HEALTH_PORT=30000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=20m --retries=3 \

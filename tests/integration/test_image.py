@@ -129,6 +129,21 @@ def test_image_labels_and_config_say_what_it_carries(image, substitute_base, pat
     assert "SGLANG_HARDENED_HEALTH_PORT=30000" in config["Env"]
 
 
+@pytest.mark.image
+def test_the_image_runs_as_a_numeric_non_root_user_whose_home_takes_the_caches(container, image):
+    """A pod's runAsNonRoot accepts only a numeric USER other than 0 (a name it cannot check);
+    SGLang and its kernels write their caches under HOME (~/.cache, ~/.triton) and the cwd."""
+    user = image_config(image)["User"]
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and int(uid) > 0 and gid.isdigit(), f"the image's USER is {user!r}"
+    writes = ("import os, pathlib; print(os.getuid(), os.getgid()); home = pathlib.Path(os.environ['HOME']); "
+              "[(home / d / 'probe').write_text('x') for d in ('.cache', '.triton')]; "
+              "pathlib.Path('probe').write_text('x'); print(pathlib.Path.cwd() == home)")
+    done = run("buildah", "run", container, "--", "python3", "-c", writes, offline=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [uid, gid, "True"], done.stdout
+
+
 class _Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
         self.send_response(200 if self.path == "/health" else 404)
