@@ -1,4 +1,4 @@
-"""H0: a hardened server says what it carries (start-up log line, server-info field).
+"""H0: a hardened server says what it carries (start-up log line, server-info field, build_info metric).
 
 Reads the manifest the build wrote into sglang's dist-info, through
 importlib.metadata, so it works for any install layout and costs one file
@@ -15,6 +15,8 @@ import sys
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
+
+from . import metrics
 
 MANIFEST_NAME = "hardened-manifest.json"
 INFO_ROUTES = ("/server_info", "/get_server_info")  # where a server serves server_info() (older releases: the second)
@@ -96,5 +98,7 @@ def startup_line() -> str:
 
 
 def log_startup() -> None:
-    """Seam called once by the HTTP server at launch."""
+    """Seam called once by the HTTP server at launch, once SGLang has started its processes (and
+    set up multiprocess metrics): the start-up line, then the metrics' zeros and build info."""
     log.info(startup_line())
+    metrics.at_start(manifest())

@@ -9,10 +9,14 @@ id or anything a tenant sent, so a scrape reveals counts and nothing else.
 
 Without ``--enable-metrics`` (no ``PROMETHEUS_MULTIPROC_DIR``) nothing is imported or written.
 prometheus_client picks its multiprocess storage when first imported, so it is imported here
-only at the first event, in a process SGLang has already set up. A write that fails is
+only at the first write, in a process SGLang has already set up. A write that fails is
 counted in ``metric_errors_total`` by the metric it was for and logged once per metric, and
 every other metric goes on counting: counting never fails a request, and a scrape says which
 series are missing events.
+
+At start-up (``at_start``, from H0's seam) every label set the lists allow is written at 0 for
+each counter and gauge, and ``build_info`` at 1: Prometheus' ``increase`` needs a sample before
+the first event to see that event, and ``build_info`` tells a hardened server from an upstream one.
 """
 
 from __future__ import annotations
@@ -20,22 +24,24 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 log = logging.getLogger("sglang_hardened")
 
 PREFIX = "sglang_hardened"
 ROLES = ("prefill", "decode", "api")  # api: where any server first reads a request, role unknown
-# What each id refuses or ends a request for: the only values its ``reason`` label takes.
-REASONS: dict[str, tuple[str, ...]] = {
-    "H1": ("input_too_long",),  # prefill's admission refusal (upstream's own check from 0.5.21)
-    "H3": ("unstated_coverage", "prompt_length_differs", "sender_shortfall", "another_rank"),
-    "H4": ("prefill_ended",),
-    "H7": ("limit_below_decode", "limit_unreadable"),  # per refused readiness check, not per request
-    "H8": ("tag_mismatch", "fail_closed", "another_rank"),
-    "H11": ("parallel_sampling",),
-    "H12": ("sampling_params",),
-    "H13": ("metadata_lost",),
+# What each id refuses or ends a request for, by the role that counts it: the only (role,
+# reason) pairs its labels take, each exported at 0 from start-up (docs/metrics.md's table).
+REFUSALS: dict[str, dict[str, tuple[str, ...]]] = {
+    "H1": {"prefill": ("input_too_long",)},  # prefill's admission refusal (upstream's own check from 0.5.21)
+    "H3": {"decode": ("unstated_coverage", "prompt_length_differs", "another_rank"), "prefill": ("sender_shortfall",)},
+    "H4": {"decode": ("prefill_ended",)},
+    "H7": {"decode": ("limit_below_decode", "limit_unreadable")},  # per refused readiness check, not per request
+    "H8": {"decode": ("tag_mismatch", "fail_closed", "another_rank")},
+    "H11": {"prefill": ("parallel_sampling",), "decode": ("parallel_sampling",)},
+    "H12": {"api": ("sampling_params",)},
+    "H13": {"decode": ("metadata_lost",)},
 }
 # How a hold of KV pages (H5) ends: decode's past its release timeout, prefill's source pages.
 HOLD_ENDS: dict[str, tuple[str, ...]] = {
@@ -50,7 +56,8 @@ BYTE_BUCKETS = tuple(float(1 << s) for s in range(12, 31, 3))  # 4 KiB .. 1 GiB
 SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 OP_SECONDS_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 0.025, 0.1)  # 10 us .. 100 ms
 
-# name: (kind, help, labels[, buckets])
+# name: (kind, help, labels[, buckets]); kind "info" is a gauge one process sets to 1
+# (its maximum across processes is served: no second writer can make it 2)
 SPECS: dict[str, tuple[Any, ...]] = {
     "requests_refused_total": ("counter", "Requests a hardening item refused or ended, by id, role and reason.",
                                ("id", "role", "reason")),
@@ -68,6 +75,9 @@ SPECS: dict[str, tuple[Any, ...]] = {
                             ("role", "op"), OP_SECONDS_BUCKETS),
     "metric_errors_total": ("counter", "Writes of a hardening metric that failed (the event went uncounted), "
                                        "by metric (its name after sglang_hardened_).", ("metric",)),
+    # one series per server, its labels from the build's own manifest (never from a request)
+    "build_info": ("info", "The hardened build this server runs (always 1).",
+                   ("version", "base", "series_revision", "tool_version", "hardening_ids")),
 }
 ERRORS = "metric_errors_total"  # its label values are this table's names: a fixed list too
 
@@ -81,6 +91,12 @@ def enabled() -> bool:
     return "PROMETHEUS_MULTIPROC_DIR" in os.environ
 
 
+def family(name: str) -> str:
+    """The family a scrape shows for SPECS' ``name`` (a counter's samples add ``_total`` back,
+    a histogram's ``_bucket``, ``_sum`` and ``_count``)."""
+    return f"{PREFIX}_{name.removesuffix('_total')}" if SPECS[name][0] == "counter" else f"{PREFIX}_{name}"
+
+
 def _metric(name: str) -> Any:
     """The process's metric ``name``, made at its first use (a failure leaves it to be made at
     the next: prometheus_client registers a metric only once its storage is set up)."""
@@ -89,18 +105,19 @@ def _metric(name: str) -> Any:
             import prometheus_client as pc
 
             kind, help_text, labels, *buckets = SPECS[name]
-            full = f"{PREFIX}_{name.removesuffix('_total')}" if kind == "counter" else f"{PREFIX}_{name}"
             if kind == "counter":
-                _metrics[name] = pc.Counter(full, help_text, labels)
+                _metrics[name] = pc.Counter(family(name), help_text, labels)
             elif kind == "gauge":
-                _metrics[name] = pc.Gauge(full, help_text, labels, multiprocess_mode="livesum")
+                _metrics[name] = pc.Gauge(family(name), help_text, labels, multiprocess_mode="livesum")
+            elif kind == "info":
+                _metrics[name] = pc.Gauge(family(name), help_text, labels, multiprocess_mode="max")
             else:
-                _metrics[name] = pc.Histogram(full, help_text, labels, buckets=buckets[0])
+                _metrics[name] = pc.Histogram(family(name), help_text, labels, buckets=buckets[0])
         return _metrics[name]
 
 
-def _write(name: str, op: str, value: float, labels: dict[str, str]) -> None:
-    """``op`` (inc, observe) on metric ``name``. Counting runs before the hardening action it
+def _write(name: str, op: str, value: float, labels: Mapping[str, str]) -> None:
+    """``op`` (inc, observe, set) on metric ``name``. Counting runs before the hardening action it
     counts (a release, an abort), so a write that fails (its mmap file, a full disk) never
     raises: it is counted in ERRORS, its first failure logged, and the next event tries again."""
     if not enabled():
@@ -133,10 +150,43 @@ def _checked(value: str, allowed: tuple[str, ...]) -> str:
     return value if value in allowed else "other"
 
 
+def listed(name: str) -> list[dict[str, str]]:
+    """Every label set the fixed lists allow counter or gauge ``name``: what ``at_start`` zeroes."""
+    if name == "requests_refused_total":
+        return [{"id": hid, "role": role, "reason": reason}
+                for hid, by_role in REFUSALS.items() for role, reasons in by_role.items() for reason in reasons]
+    if name == "holds_ended_total":
+        return [{"role": role, "ended_by": how} for role, hows in HOLD_ENDS.items() for how in hows]
+    labels = SPECS[name][2]
+    if not labels:
+        return [{}]
+    words = {"holds_started_total": HOLD_ENDS, "rooms_held": HOLD_ENDS, "transfer_sends_stopped_total": STOPS,
+             "outcome_polls_total": POLL_RESULTS, ERRORS: SPECS}[name]
+    return [{labels[0]: word} for word in words]
+
+
+def at_start(build: Mapping[str, Any] | None) -> None:
+    """Seam, once per server as it starts (``identity.log_startup``, in the HTTP server's process
+    once SGLang set up multiprocess mode): each counter's and gauge's listed series at 0, so
+    an alert on ``increase(...) > 0`` sees the first event (a series born at 1 shows no
+    increase), and ``build_info`` from the build's manifest (``build``; None: not a hardened
+    sglang, which exports none)."""
+    for name, (kind, *_) in SPECS.items():
+        if kind in ("counter", "gauge"):
+            for labels in listed(name):
+                _write(name, "inc", 0, labels)
+    if build is not None:
+        _write("build_info", "set", 1, {
+            "version": build["version"], "base": build["base"], "series_revision": str(build["revision"]),
+            "tool_version": build["tool"]["version"], "hardening_ids": ",".join(build["hardening_ids"])})
+
+
 def refused(hid: str, role: str, reason: str) -> None:
-    """Count a request refused or ended by ``hid`` on ``role`` for ``reason`` (REASONS)."""
-    hid = _checked(hid, tuple(REASONS))
-    _inc("requests_refused_total", id=hid, role=_checked(role, ROLES), reason=_checked(reason, REASONS.get(hid, ())))
+    """Count a request refused or ended by ``hid`` on ``role`` for ``reason`` (REFUSALS)."""
+    hid = _checked(hid, tuple(REFUSALS))
+    roles = REFUSALS.get(hid, {})
+    role = _checked(role, tuple(roles))
+    _inc("requests_refused_total", id=hid, role=role, reason=_checked(reason, roles.get(role, ())))
 
 
 def hold_started(role: str) -> None:
