@@ -38,6 +38,7 @@ from .scenarios import (
     core,
     edge,
     hardened_metric,
+    hardened_samples,
     upstream_only,
     observe_oversized_via_lb,
     observe_pair,
@@ -52,6 +53,7 @@ pytestmark = pytest.mark.e2e
 PREFILL_LIMIT_MESSAGE = "exceeds the maximum allowed length (250 tokens)"
 WRONG_TYPE = {"sampling_params": {"temperature": "hot", "max_new_tokens": 4}}  # H12
 NULL_N = {"sampling_params": {"n": None}}  # H12: 0.5.22's schema gate lets null through
+H1_REFUSED = {"id": "H1", "role": "prefill", "reason": "input_too_long"}
 
 
 @pytest.mark.claim("H4", "hardened", params=["0.5.23-mooncake"])
@@ -64,6 +66,9 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
     cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **BOUNDARY_PARAMS, **DEPTH,
                             extra_flags=METRICS_FLAGS)
     idle = cluster.used_tokens()
+    # #48: served at 0 before the first refusal, so an alert on its increase sees that first one
+    assert [s.value for s in hardened_samples(cluster, "prefill")
+            if s.name == "sglang_hardened_requests_refused_total" and s.labels == H1_REFUSED] == [0]
     with phase(f"scenario boundaries {base} hardened {backend}"):
         v = observe_probes(cluster, {"oversized": OVERSIZED_B, "over_limit": OVER_LIMIT,
                                      "at_limit": AT_LIMIT, "chunked": CHUNKED, "control": FITTING_C})
@@ -80,9 +85,11 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
         assert all(r.status == 200 and prompt_tokens(r) == tokens for r in replies(v[name])), v[name].replies
         assert not v[name].leaked, (name, v[name].replies)
     assert wait_pages_idle(cluster, idle) == idle
-    # #27's metrics: prefill refused the over-limit prompts at admission (H1), decode ended them on
-    # H4's word (read from the outcome route), and both roles counted H12's refusals
-    assert hardened_metric(cluster, "prefill", "requests_refused_total", id="H1", reason="input_too_long") >= 1
+    # #27's metrics: prefill refused the over-limit prompts at admission (H1: the incident's over-pool
+    # prompt each time, #48), decode ended them on H4's word (read from the outcome route), and
+    # both roles counted H12's refusals
+    refused = len(replies(v["oversized"])) + len(replies(v["over_limit"]))
+    assert hardened_metric(cluster, "prefill", "requests_refused_total", id="H1", reason="input_too_long") == refused
     assert hardened_metric(cluster, "decode", "requests_refused_total", id="H4", reason="prefill_ended") >= 1
     assert hardened_metric(cluster, "decode", "outcome_polls_total", result="ok") >= 1
     assert all(hardened_metric(cluster, role, "requests_refused_total", id="H12") >= 1 for role in ("prefill", "decode"))
