@@ -10,5 +10,6 @@ connection while a KV transfer into decode's pages may still be running.
 Modules: ``config`` (what the operator sets), ``workers`` (health checks),
 ``routing`` (policies and the entry-point hook), ``protocol`` (request
 checks and the fields the LB injects), ``exchange`` (one request's pair of
-worker calls and the abort rules), ``server`` (HTTP app, drain on SIGTERM).
+worker calls and the abort rules), ``slots`` (what ``--max-requests``
+counts), ``server`` (HTTP app, drain on SIGTERM).
 """

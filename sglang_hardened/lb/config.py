@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from ..common.errors import HardenedError
 
+# Connections one request holds to the workers at once: its prefill and decode calls, and an
+# abort while both are open (its slot under --max-requests is held until all of them end).
+CONNECTIONS_PER_REQUEST = 3
+
 
 @dataclass(frozen=True)
 class PrefillAddr:
@@ -30,8 +34,14 @@ class LbConfig:
     health_interval_s: float = 5.0
     drain_timeout_s: float = 60.0
     body_timeout_s: float = 30.0  # a client's body must arrive within this; then 408
-    max_requests: int = 1024  # requests handled at once; more get 503
+    max_requests: int = 1024  # requests open at once, each until its worker calls and aborts end; more get 503
     max_answer_bytes: int = 256 * 1024 * 1024  # a worker's answer (non-streaming) over this is a 502
+
+    @property
+    def max_connections(self) -> int:
+        """The connector's limit: what ``max_requests`` requests and one health check per worker
+        hold at most, so no call of the lb's waits behind its own, and no leak goes unbounded."""
+        return self.max_requests * CONNECTIONS_PER_REQUEST + len(self.prefill) + len(self.decode)
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:

@@ -7,7 +7,6 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Coroutine
 
 import aiohttp
 from aiohttp import web
@@ -16,6 +15,7 @@ from .config import LbConfig
 from .exchange import Answer, Exchange, Stream
 from .protocol import ROUTES, BadRequest, forwarded, parse_body
 from .routing import RoutingPolicy, load_policy
+from .slots import Hold, Slots
 from .workers import Pool, Worker
 
 log = logging.getLogger("sglang_hardened.lb")
@@ -33,8 +33,7 @@ class Balancer:
         self.pool = Pool([Worker("prefill", p.url.rstrip("/"), p.bootstrap_port) for p in config.prefill],
                          [Worker("decode", url.rstrip("/")) for url in config.decode], config.health_interval_s)
         self.session: aiohttp.ClientSession | None = None
-        self.tasks: set[asyncio.Task] = set()  # worker calls and aborts that outlive their client
-        self.active = 0  # requests being handled
+        self.slots = Slots(config.max_requests)
         self.draining = False
 
     def app(self) -> web.Application:
@@ -43,12 +42,6 @@ class Balancer:
             app.router.add_post(f"/{route}", self._handler(route))
         app.router.add_get("/health", self.health)
         return app
-
-    def track(self, coro: Coroutine) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
 
     async def health(self, _request: web.Request) -> web.Response:
         if self.draining:
@@ -59,16 +52,17 @@ class Balancer:
 
     def _handler(self, route: str):
         async def handle(request: web.Request) -> web.StreamResponse:
-            if self.active >= self.config.max_requests:
-                return _error(503, f"more than {self.config.max_requests} requests open")
-            self.active += 1
+            hold = self.slots.take()
+            if hold is None:
+                return _error(503, f"{self.config.max_requests} requests open (each until its worker calls "
+                                   "and aborts end), the --max-requests limit")
             try:
-                return await self.forward(route, request)
+                return await self.forward(route, request, hold)
             finally:
-                self.active -= 1
+                hold.handler_done()
         return handle
 
-    async def forward(self, route: str, request: web.Request) -> web.StreamResponse:
+    async def forward(self, route: str, request: web.Request, hold: Hold) -> web.StreamResponse:
         if self.draining:
             return _error(503, "the load balancer is shutting down")
         try:
@@ -87,22 +81,22 @@ class Balancer:
         if not prefill or not decode:
             return _error(503, "no healthy prefill or decode worker")
         p, d = self.policy.choose(prefill, decode, payload)
-        ex = Exchange(self.session, route, forwarded(route, payload, p), p, d, bool(payload.get("stream")), self.track,
+        ex = Exchange(self.session, route, forwarded(route, payload, p), p, d, bool(payload.get("stream")), hold.track,
                       self.config.max_answer_bytes)
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 result = await ex.outcome()
         except TimeoutError:
-            self.track(ex.cancel_safely(self.config.transfer_grace_s))
+            hold.track(ex.cancel_safely(self.config.transfer_grace_s))
             return _error(504, f"no answer within {self.config.request_timeout_s:g} s")
         except asyncio.CancelledError:  # the client went away
-            self.track(ex.cancel_safely(self.config.transfer_grace_s))
+            hold.track(ex.cancel_safely(self.config.transfer_grace_s))
             raise
         if isinstance(result, Answer):
             return web.Response(status=result.status, body=result.body, content_type=result.content_type)
-        return await self._relay(request, ex, result)
+        return await self._relay(request, ex, hold, result)
 
-    async def _relay(self, request: web.Request, ex: Exchange, stream: Stream) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, ex: Exchange, hold: Hold, stream: Stream) -> web.StreamResponse:
         """Pipe decode's stream; a client gone mid-stream has decode aborted at once (the send is over)."""
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         try:
@@ -112,7 +106,7 @@ class Balancer:
                 await reply.write(chunk)
             await reply.write_eof()
         except (ConnectionError, asyncio.CancelledError):
-            self.track(ex.cancel_safely(self.config.transfer_grace_s))
+            hold.track(ex.cancel_safely(self.config.transfer_grace_s))
             raise
         finally:
             stream.response.release()
@@ -121,10 +115,10 @@ class Balancer:
     async def drain(self, timeout_s: float) -> None:
         """Let requests being handled, and their worker calls and aborts, end (up to ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
-        while (self.active or self.tasks) and time.monotonic() < deadline:
+        while self.slots.open and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        if self.active or self.tasks:
-            log.warning("drain: %d requests still open after %.0f s; exiting", self.active, timeout_s)
+        if self.slots.open:
+            log.warning("drain: %d requests still open after %.0f s; exiting", self.slots.open, timeout_s)
 
 
 async def serve(config: LbConfig) -> None:
@@ -133,7 +127,7 @@ async def serve(config: LbConfig) -> None:
     balancer = Balancer(config, load_policy(config.policy))
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)  # our own deadlines, never a socket close
     async with aiohttp.ClientSession(timeout=timeout, read_bufsize=READ_BUFSIZE,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+                                     connector=aiohttp.TCPConnector(limit=config.max_connections)) as session:
         balancer.session = session
         await balancer.pool.check_all(session)
         health = asyncio.create_task(balancer.pool.run(session))

@@ -114,6 +114,12 @@ class Stands:
         self.runners.append(runner)
         return runner.addresses[0][1]
 
+    def end_open_requests(self) -> None:
+        """Every request the stand-ins hold answers now, as an abort would end it."""
+        for role in self.roles.values():
+            for event in list(role.aborted.values()):
+                self.loop.call_soon_threadsafe(event.set)
+
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self._close(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -455,3 +461,33 @@ def test_hardened_workers_get_no_such_warning(rig):
     assert post(lb.url, b'{"text": "x"}')[0] == 200
     lb.stop()
     assert NOT_HARDENED not in lb.log()
+
+
+# Issue #44: what a tenant's requests hold in the lb.
+
+HELD_S = 600  # stand-ins and a grace that outlast the test: what holds a slot is the lb's to say
+
+
+def test_clients_that_hang_up_hold_their_slots_until_the_worker_calls_end():
+    """On main a request stopped counting against --max-requests once its client hung up, while
+    its worker calls and abort ran on up to the transfer grace: a tenant that sent and hung up in
+    a loop held any number of requests open on the workers."""
+    stands = Stands(Role(delay_s=HELD_S), Role(delay_s=HELD_S))
+    prefill, decode = stands.roles["prefill"], stands.roles["decode"]
+    lb = Lb([prefill.url], [decode.url], "--max-requests", str(MAX_REQUESTS), "--transfer-grace", str(HELD_S))
+    try:
+        for sent in range(1, MAX_REQUESTS + 1):
+            with open_request(lb.url, {"text": "x"}):
+                assert eventually(lambda sent=sent: len(prefill.requests) == len(decode.requests) == sent)
+        answers: list[int] = []
+        threading.Thread(target=lambda: answers.append(post(lb.url, b'{"text": "x"}')[0]), daemon=True).start()
+        assert eventually(lambda: answers or len(decode.requests) > MAX_REQUESTS, START_S)
+        assert answers == [503] and len(decode.requests) == MAX_REQUESTS, "served past the cap"
+        assert (prefill.answered_at, decode.answered_at, decode.aborts) == (None, None, []), "calls still open"
+        prefill.delay_s = decode.delay_s = 0
+        stands.end_open_requests()  # prefill answers, so the lb aborts decode: every call and abort ends
+        assert eventually(lambda: post(lb.url, b'{"text": "x"}')[0] == 200, START_S), "the slots came back"
+        assert len(decode.aborts) == MAX_REQUESTS
+    finally:
+        lb.stop()
+        stands.close()
