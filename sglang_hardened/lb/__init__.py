@@ -11,5 +11,6 @@ Modules: ``config`` (what the operator sets), ``workers`` (health checks),
 ``routing`` (policies and the entry-point hook), ``protocol`` (request
 checks and the fields the LB injects), ``exchange`` (one request's pair of
 worker calls and the abort rules), ``slots`` (what ``--max-requests``
-counts), ``server`` (HTTP app, drain on SIGTERM).
+counts), ``offload`` (large JSON work off the event loop), ``server`` (HTTP
+app, drain on SIGTERM).
 """

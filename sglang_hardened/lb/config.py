@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 from ..common.errors import HardenedError
 
+# JSON of up to this many bytes (a client's body; a logprob merge's two answers) is parsed and
+# written on the event loop, which waits under a millisecond for it; a hop to a worker process
+# adds about half of one to the request (docs/operating.md). Larger work goes to the processes:
+# json holds the GIL, so in a thread it would stall the loop every tenant's stream shares as long.
+INLINE_JSON_BYTES = 64 * 1024
+# Worker processes for that larger work: two, so one large body does not queue behind another.
+JSON_PROCESSES = 2
 # Connections one request holds to the workers at once: its prefill and decode calls, and an
 # abort while both are open (its slot under --max-requests is held until all of them end).
 CONNECTIONS_PER_REQUEST = 3

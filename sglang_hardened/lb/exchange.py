@@ -23,17 +23,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
-from .protocol import Forwarded
+from .offload import Offload
+from .protocol import Forwarded, merge_logprobs
 from .workers import Worker
 
 log = logging.getLogger("sglang_hardened.lb")
 ABORT_TIMEOUT_S = 10.0
 SSE_END = b"\n\n"
+WRITE_SLICE = 2 ** 20  # a body goes out in slices: no step of the event loop copies more of it
 
 
 @dataclass(frozen=True)
@@ -97,20 +100,31 @@ async def _read_answer(response: aiohttp.ClientResponse, stream: bool, limit: in
     return Answer(response.status, body, response.content_type)
 
 
+async def slices(parts: tuple[bytes, ...]) -> AsyncIterator[memoryview]:
+    """``parts`` in slices of WRITE_SLICE, without copying them."""
+    for part in parts:
+        view = memoryview(part)
+        for start in range(0, len(view), WRITE_SLICE):
+            yield view[start:start + WRITE_SLICE]
+
+
 class Exchange:
     """Both worker calls of one request; their tasks outlive the client's connection."""
 
-    def __init__(self, session: aiohttp.ClientSession, route: str, fwd: Forwarded,
-                 prefill: Worker, decode: Worker, stream: bool, track, max_answer_bytes: int):
-        self.session, self.route, self.fwd, self.stream = session, route, fwd, stream
-        self.max_answer_bytes = max_answer_bytes
+    def __init__(self, session: aiohttp.ClientSession, route: str, fwd: Forwarded, prefill: Worker,
+                 decode: Worker, track: Callable[[Coroutine], asyncio.Task], max_answer_bytes: int,
+                 offload: Offload):
+        self.session, self.route, self.fwd, self.stream = session, route, fwd, fwd.stream
+        self.max_answer_bytes, self.offload = max_answer_bytes, offload
         self.prefill, self.decode, self._track = prefill, decode, track
         self.stream_response: aiohttp.ClientResponse | None = None
         self.prefill_task: asyncio.Task[Answer] = track(self._call_prefill())
         self.decode_task: asyncio.Task[Answer | Stream] = track(self._call_decode())
 
     async def _post(self, worker: Worker) -> aiohttp.ClientResponse:
-        return await self.session.post(f"{worker.url}/{self.route}", json=self.fwd.payload)
+        return await self.session.post(f"{worker.url}/{self.route}", data=slices(self.fwd.parts),
+                                       headers={"Content-Type": "application/json",
+                                                "Content-Length": str(self.fwd.size)})
 
     def _failed(self, worker: Worker, what: str, exc: Exception) -> Answer:
         """The client's 502 names the role only; the worker's address and the cause go to the log."""
@@ -172,12 +186,14 @@ class Exchange:
                 return self.prefill_task.result()
             if self.decode_task in done:
                 result = self.decode_task.result()
-                if isinstance(result, Stream) or not result.ok or not self._wants_prefill_body():
+                if isinstance(result, Stream) or not result.ok or not self.fwd.merge:
                     return result
-        return _merge_logprobs(self.prefill_task.result(), self.decode_task.result())
+        return await self._merged(self.prefill_task.result(), self.decode_task.result())
 
-    def _wants_prefill_body(self) -> bool:
-        return bool(self.fwd.payload.get("return_logprob")) and not self.stream
+    async def _merged(self, prefill: Answer, decode: Answer) -> Answer:
+        """Prefill holds the prompt's logprobs, decode the output's: the client gets both (as mini-lb)."""
+        body = await self.offload.run(len(prefill.body) + len(decode.body), merge_logprobs, prefill.body, decode.body)
+        return decode if body is None else Answer(decode.status, body, decode.content_type)
 
     async def abort(self, worker: Worker) -> None:
         for rid in self.fwd.rids:
@@ -205,13 +221,3 @@ class Exchange:
         if self.stream_response is not None:
             self.stream_response.close()
 
-
-def _merge_logprobs(prefill: Answer, decode: Answer | Stream) -> Answer | Stream:
-    """Prefill holds the prompt's logprobs, decode the output's: the client gets both (as mini-lb)."""
-    try:
-        pre, dec = json.loads(prefill.body), json.loads(decode.body)
-        dec["meta_info"]["input_token_logprobs"] = (pre["meta_info"]["input_token_logprobs"]
-                                                    + dec["meta_info"]["input_token_logprobs"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return decode
-    return Answer(decode.status, json.dumps(dec).encode(), decode.content_type)

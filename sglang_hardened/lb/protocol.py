@@ -5,6 +5,10 @@ worker. The LB always sets ``rid`` and the bootstrap fields itself: a
 client-chosen bootstrap address or room could point decode at another
 tenant's transfer, and the LB aborts by ``rid``, which the scheduler
 matches as a prefix: a client-chosen rid could abort other tenants' requests.
+
+A body is parsed and serialised once (``read_body``; in a worker process when large, see
+``offload``); the lb's fields follow those bytes, never serialised with them.
+Nothing here imports aiohttp, so a worker process starts light.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import json
 import secrets
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from .workers import Worker
+if TYPE_CHECKING:
+    from .workers import Worker
 
 # route -> the fields of which the body needs at least one
 ROUTES: dict[str, tuple[str, ...]] = {
@@ -26,12 +32,19 @@ ROUTES: dict[str, tuple[str, ...]] = {
 }
 
 
+# what the lb sets in every forwarded body, whatever the client sent
+LB_FIELDS = frozenset({"rid", "bootstrap_host", "bootstrap_port", "bootstrap_room"})
+
+
 class BadRequest(Exception):
     """The client's request is malformed; the message says how."""
 
     def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+        super().__init__(status, message)  # both in args: it comes back from a worker process pickled
+        self.status, self.message = status, message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _no_constant(name: str) -> None:
@@ -68,11 +81,38 @@ def batch_size(route: str, payload: dict) -> int | None:
 
 
 @dataclass(frozen=True)
-class Forwarded:
-    """The body both workers get, and the rids that abort it (and nothing else)."""
+class ClientBody:
+    """What the lb takes from a client's body, read once."""
 
-    payload: dict
+    head: bytes  # the client's JSON object without the lb's fields, open: no closing brace
+    batch: int | None  # items in a /generate batch, None for a single request
+    stream: bool
+    return_logprob: bool
+    payload: dict  # the parsed body, for a routing policy that reads it; else empty
+
+
+def read_body(route: str, raw: bytes, keep_payload: bool) -> ClientBody:
+    """Check a body and serialise it once without the lb's fields (BadRequest if it fails)."""
+    payload = parse_body(route, raw)
+    head = json.dumps({k: v for k, v in payload.items() if k not in LB_FIELDS})[:-1].encode()
+    return ClientBody(head, batch_size(route, payload), bool(payload.get("stream")),
+                      bool(payload.get("return_logprob")), payload if keep_payload else {})
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """The body both workers get (its parts in order: no copy of the client's), the rids that
+    abort it (and nothing else), and how to read the answers: a stream, or whole answers whose
+    logprobs are merged."""
+
+    parts: tuple[bytes, ...]
     rids: tuple[str, ...]
+    stream: bool
+    merge: bool
+
+    @property
+    def size(self) -> int:
+        return sum(map(len, self.parts))
 
 
 def bootstrap_host(url: str) -> str:
@@ -84,9 +124,9 @@ def bootstrap_host(url: str) -> str:
         return host
 
 
-def forwarded(route: str, payload: dict, prefill: Worker) -> Forwarded:
+def forwarded(client: ClientBody, prefill: Worker) -> Forwarded:
     rid = f"lb-{uuid.uuid4().hex}"
-    n = batch_size(route, payload)
+    n = client.batch
     host = bootstrap_host(prefill.url)
     # Rooms from the OS's generator: `random`'s state can be recovered from its outputs, and a
     # known room lets anyone on the bootstrap port speak for another tenant's transfer.
@@ -99,4 +139,17 @@ def forwarded(route: str, payload: dict, prefill: Worker) -> Forwarded:
         rids = tuple(f"{rid}-{i:0{len(str(n - 1))}d}" for i in range(n))
         fields = {"rid": list(rids), "bootstrap_host": [host] * n, "bootstrap_port": [prefill.bootstrap_port] * n,
                   "bootstrap_room": [secrets.randbits(63) for _ in range(n)]}
-    return Forwarded({**payload, **fields}, rids)
+    tail = b", " + json.dumps(fields).encode()[1:]  # {"rid": …}: its fields close the client's object
+    return Forwarded((client.head, tail), rids, client.stream, client.return_logprob and not client.stream)
+
+
+def merge_logprobs(prefill: bytes, decode: bytes) -> bytes | None:
+    """Decode's answer with prefill's prompt logprobs before its own (as mini-lb); None where
+    either answer has none."""
+    try:
+        pre, dec = json.loads(prefill), json.loads(decode)
+        dec["meta_info"]["input_token_logprobs"] = (pre["meta_info"]["input_token_logprobs"]
+                                                    + dec["meta_info"]["input_token_logprobs"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return json.dumps(dec).encode()

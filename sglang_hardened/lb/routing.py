@@ -11,7 +11,10 @@ pyproject.toml::
 then run ``sglang-hardened lb --policy by-tenant …``. The object the entry
 point names is called with no arguments and must return something with
 ``choose(prefill, decode, payload) -> (prefill_worker, decode_worker)``;
-``payload`` is the client's parsed JSON body (read it, do not change it).
+``payload`` is the client's parsed JSON body (read it, do not change it). A
+policy that never reads it says so with ``reads_payload = False``: the lb
+then never builds a large body's objects in its own process, where they
+would stall every other request (``offload``); it gets an empty mapping.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class RoutingPolicy(Protocol):
 class RandomPolicy:
     """mini-lb's policy: a random healthy worker of each role."""
 
+    reads_payload = False
+
     def choose(self, prefill, decode, payload):
         return random.choice(prefill), random.choice(decode)
 
@@ -43,12 +48,18 @@ class RandomPolicy:
 class RoundRobinPolicy:
     """Each role's healthy workers in turn."""
 
+    reads_payload = False
+
     def __init__(self) -> None:
         self._turn = itertools.count()
 
     def choose(self, prefill, decode, payload):
         n = next(self._turn)
         return prefill[n % len(prefill)], decode[n % len(decode)]
+
+
+def reads_payload(policy: RoutingPolicy) -> bool:
+    return getattr(policy, "reads_payload", True)
 
 
 BUILTIN = {"random": RandomPolicy, "round-robin": RoundRobinPolicy}

@@ -7,20 +7,21 @@ import json
 import logging
 import signal
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 import aiohttp
 from aiohttp import web
 
 from .config import LbConfig
-from .exchange import Answer, Exchange, Stream
-from .protocol import ROUTES, BadRequest, forwarded, parse_body
-from .routing import RoutingPolicy, load_policy
+from .exchange import Answer, Exchange, Stream, slices
+from .offload import Offload
+from .protocol import ROUTES, BadRequest, forwarded, read_body
+from .routing import RoutingPolicy, load_policy, reads_payload
 from .slots import Hold, Slots
 from .workers import Pool, Worker
 
 log = logging.getLogger("sglang_hardened.lb")
 READ_BUFSIZE = 2 ** 21  # a first streamed event with logprobs can exceed aiohttp's 64 KiB default
-PARSE_INLINE_BYTES = 2 ** 20
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -34,6 +35,7 @@ class Balancer:
                          [Worker("decode", url.rstrip("/")) for url in config.decode], config.health_interval_s)
         self.session: aiohttp.ClientSession | None = None
         self.slots = Slots(config.max_requests)
+        self.offload = Offload()
         self.draining = False
 
     def app(self) -> web.Application:
@@ -58,6 +60,8 @@ class Balancer:
                                    "and aborts end), the --max-requests limit")
             try:
                 return await self.forward(route, request, hold)
+            except BrokenProcessPool:
+                return _error(503, "a JSON worker process of the lb died (logged); try again")
             finally:
                 hold.handler_done()
         return handle
@@ -68,9 +72,7 @@ class Balancer:
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 raw = await request.read()
-            # a large body is parsed off the event loop, which every other request shares
-            payload = parse_body(route, raw) if len(raw) <= PARSE_INLINE_BYTES else (
-                await asyncio.to_thread(parse_body, route, raw))
+            client = await self.offload.run(len(raw), read_body, route, raw, reads_payload(self.policy))
         except TimeoutError:
             return _error(408, f"request body not received within {self.config.body_timeout_s:g} s")
         except web.HTTPException as exc:  # e.g. 413 over --max-body-bytes
@@ -80,9 +82,9 @@ class Balancer:
         prefill, decode = self.pool.healthy("prefill"), self.pool.healthy("decode")
         if not prefill or not decode:
             return _error(503, "no healthy prefill or decode worker")
-        p, d = self.policy.choose(prefill, decode, payload)
-        ex = Exchange(self.session, route, forwarded(route, payload, p), p, d, bool(payload.get("stream")), hold.track,
-                      self.config.max_answer_bytes)
+        p, d = self.policy.choose(prefill, decode, client.payload)
+        ex = Exchange(self.session, route, forwarded(client, p), p, d, hold.track, self.config.max_answer_bytes,
+                      self.offload)
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 result = await ex.outcome()
@@ -93,7 +95,7 @@ class Balancer:
             hold.track(ex.cancel_safely(self.config.transfer_grace_s))
             raise
         if isinstance(result, Answer):
-            return web.Response(status=result.status, body=result.body, content_type=result.content_type)
+            return await _send(request, result)
         return await self._relay(request, ex, hold, result)
 
     async def _relay(self, request: web.Request, ex: Exchange, hold: Hold, stream: Stream) -> web.StreamResponse:
@@ -121,6 +123,17 @@ class Balancer:
             log.warning("drain: %d requests still open after %.0f s; exiting", self.slots.open, timeout_s)
 
 
+async def _send(request: web.Request, answer: Answer) -> web.StreamResponse:
+    """A whole answer in slices: written at once, a large one holds the loop while it is copied."""
+    reply = web.StreamResponse(status=answer.status, headers={"Content-Type": answer.content_type})
+    reply.content_length = len(answer.body)
+    await reply.prepare(request)
+    async for piece in slices((answer.body,)):
+        await reply.write(piece)
+    await reply.write_eof()
+    return reply
+
+
 async def serve(config: LbConfig) -> None:
     """Run until SIGTERM or SIGINT, then stop listening, drain, and return."""
     config.validate()
@@ -129,7 +142,7 @@ async def serve(config: LbConfig) -> None:
     async with aiohttp.ClientSession(timeout=timeout, read_bufsize=READ_BUFSIZE,
                                      connector=aiohttp.TCPConnector(limit=config.max_connections)) as session:
         balancer.session = session
-        await balancer.pool.check_all(session)
+        await asyncio.gather(balancer.pool.check_all(session), balancer.offload.start())
         health = asyncio.create_task(balancer.pool.run(session))
         runner = web.AppRunner(balancer.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -148,4 +161,5 @@ async def serve(config: LbConfig) -> None:
         await site.stop()
         await balancer.drain(config.drain_timeout_s)
         health.cancel()
+        balancer.offload.close()
         await runner.cleanup()

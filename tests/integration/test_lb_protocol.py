@@ -36,6 +36,7 @@ BODY_TIMEOUT_S, MAX_REQUESTS, MAX_ANSWER_BYTES = 2, 3, 1_000_000
 START_S = 30  # the lb's start, its workers' first health checks included
 LISTENING = "sglang-hardened lb on http://"  # what the lb logs once its port is bound
 PORT_TRIES = 5
+STAND_IN_MAX_BODY = 64 * 2 ** 20  # the stand-ins take the lb's largest bodies
 
 
 @dataclass
@@ -48,6 +49,8 @@ class Role:
     event_gap_s: float = 0.0
     drop: bool = False  # close the connection instead of answering
     hardened: bool = False  # what its /server_info says of its build
+    parse: bool = True  # False: take the body unread (a large one would hold this process's GIL)
+    answer: bytes | None = None  # a whole answer serialised once, as given (not events[-1])
     requests: list[dict] = field(default_factory=list)
     aborts: list[tuple[str, float]] = field(default_factory=list)
     answered_at: float | None = None
@@ -55,7 +58,8 @@ class Role:
     aborted: dict[str, asyncio.Event] = field(default_factory=dict)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        payload = await request.json()
+        raw = await request.read()
+        payload = json.loads(raw) if self.parse else {"rid": None, "bytes": len(raw)}
         self.requests.append(payload)
         aborted = self.aborted.setdefault(payload["rid"], asyncio.Event())
         try:  # like SGLang, an abort ends the request early
@@ -68,6 +72,8 @@ class Role:
             return web.Response()
         if not payload.get("stream"):
             self.answered_at = time.monotonic()
+            if self.answer is not None:
+                return web.Response(body=self.answer, status=self.status, content_type="application/json")
             return web.json_response(self.events[-1], status=self.status)
         reply = web.StreamResponse(status=self.status, headers={"Content-Type": "text/event-stream"})
         await reply.prepare(request)
@@ -103,7 +109,7 @@ class Stands:
             role.url = f"http://127.0.0.1:{asyncio.run_coroutine_threadsafe(self._serve(role), self.loop).result()}"
 
     async def _serve(self, role: Role) -> int:
-        app = web.Application()
+        app = web.Application(client_max_size=STAND_IN_MAX_BODY)
         app.router.add_post("/generate", role.generate)
         app.router.add_post("/abort_request", role.abort)
         app.router.add_get("/health", role.health)
@@ -364,10 +370,11 @@ def test_routing_policy_from_an_installed_entry_point(tmp_path, monkeypatch):
 def test_a_batch_rid_is_never_the_prefix_of_another():
     """SGLang's /abort_request aborts every rid that starts with the one given: a batch of 11
     named lb-X-1 and lb-X-10, and aborting the first aborted the eleventh too."""
-    from sglang_hardened.lb.protocol import forwarded
+    from sglang_hardened.lb.protocol import forwarded, read_body
     from sglang_hardened.lb.workers import Worker
 
-    rids = forwarded("generate", {"text": ["t"] * 11}, Worker("prefill", "http://127.0.0.1:1", 2)).rids
+    batch = read_body("generate", json.dumps({"text": ["t"] * 11}).encode(), False)
+    rids = forwarded(batch, Worker("prefill", "http://127.0.0.1:1", 2)).rids
     assert len(set(rids)) == 11
     assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
 
@@ -377,14 +384,14 @@ def test_rooms_do_not_follow_from_the_random_module_state():
     gave the same rooms."""
     import random
 
-    from sglang_hardened.lb.protocol import forwarded
+    from sglang_hardened.lb.protocol import forwarded, read_body
     from sglang_hardened.lb.workers import Worker
 
-    prefill = Worker("prefill", "http://127.0.0.1:1", 2)
+    prefill, client = Worker("prefill", "http://127.0.0.1:1", 2), read_body("generate", b'{"text": "t"}', False)
     rooms = []
     for _ in range(2):
         random.seed(7)
-        rooms.append(forwarded("generate", {"text": "t"}, prefill).payload["bootstrap_room"])
+        rooms.append(json.loads(b"".join(forwarded(client, prefill).parts))["bootstrap_room"])
     assert rooms[0] != rooms[1]
 
 
@@ -488,6 +495,71 @@ def test_clients_that_hang_up_hold_their_slots_until_the_worker_calls_end():
         stands.end_open_requests()  # prefill answers, so the lb aborts decode: every call and abort ends
         assert eventually(lambda: post(lb.url, b'{"text": "x"}')[0] == 200, START_S), "the slots came back"
         assert len(decode.aborts) == MAX_REQUESTS
+    finally:
+        lb.stop()
+        stands.close()
+
+
+class HealthProbe:
+    """GET /health back to back on a thread: the slowest answer is how long the lb's event loop,
+    which every tenant's stream shares, was kept from serving anything."""
+
+    def __init__(self, url: str):
+        self.url, self.worst_s, self._stop = url, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.monotonic()
+            _up(self.url)
+            self.worst_s = max(self.worst_s, time.monotonic() - start)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _dumps_s(obj: object) -> float:
+    """What one json.dumps of ``obj`` takes on this machine now (the median of three)."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        json.dumps(obj)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[1]
+
+
+@pytest.mark.parametrize("case", ["13 MiB body", "logprob merge"])
+def test_large_bodies_and_merges_do_not_stall_the_event_loop(case):
+    """On main the lb json.dumps'd a body on its event loop once per worker, and parsed and wrote
+    a logprob merge there: every other request waited. The bound is one json.dumps of the body
+    (or of one answer) measured here: main stalled for at least two (both calls' bodies; two
+    parses and a write), what the lb still does on its loop is copy the bytes, a small fraction
+    of one, and a loaded host slows both sides alike."""
+    if case == "13 MiB body":
+        obj: dict = {"input_ids": list(range(10 ** 5, 10 ** 5 + 13 * 2 ** 20 // 8))}
+        body, prefill, decode = json.dumps(obj).encode(), Role(parse=False), Role(parse=False)
+    else:
+        obj = {"text": "", "meta_info": {"input_token_logprobs": [[-0.5, i, None] for i in range(400_000)]}}
+        answer = json.dumps(obj).encode()
+        body, prefill, decode = b'{"text": "x", "return_logprob": true}', Role(answer=answer), Role(answer=answer)
+    stands = Stands(prefill, decode)
+    lb = Lb([prefill.url], [decode.url])
+    try:
+        bound_s = _dumps_s(obj)
+        with HealthProbe(lb.url) as probe:
+            status, answer_body, took_s = post(lb.url, body, timeout=START_S)
+        assert status == 200, answer_body[:200]
+        if case == "logprob merge":
+            merged = json.loads(answer_body)["meta_info"]["input_token_logprobs"]
+            assert len(merged) == 2 * len(obj["meta_info"]["input_token_logprobs"])
+        print(f"\n{case}: the lb's loop stalled {probe.worst_s * 1e3:.0f} ms at the most (the request took "
+              f"{took_s * 1e3:.0f} ms; one json.dumps here {bound_s * 1e3:.0f} ms)")
+        assert probe.worst_s < bound_s, (probe.worst_s, bound_s)
     finally:
         lb.stop()
         stands.close()
