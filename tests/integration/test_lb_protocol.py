@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
+from sglang_hardened.lb.config import INLINE_JSON_BYTES
 from sglang_hardened.lb.routing import ENTRY_POINT_GROUP, load_policy
 from sglang_hardened.sandbox.cluster import free_port
 from tests.harness import eventually
@@ -560,6 +562,26 @@ def test_large_bodies_and_merges_do_not_stall_the_event_loop(case):
         print(f"\n{case}: the lb's loop stalled {probe.worst_s * 1e3:.0f} ms at the most (the request took "
               f"{took_s * 1e3:.0f} ms; one json.dumps here {bound_s * 1e3:.0f} ms)")
         assert probe.worst_s < bound_s, (probe.worst_s, bound_s)
+    finally:
+        lb.stop()
+        stands.close()
+
+
+def test_a_dead_json_process_costs_one_request_a_503_and_the_next_is_served():
+    """A worker process of the lb killed (for memory, say) broke its whole pool: the request it
+    held gets 503 naming the cause, and the next large body is served by a new pool."""
+    stands = Stands(Role(parse=False), Role(parse=False))
+    lb = Lb([stands.roles["prefill"].url], [stands.roles["decode"].url])
+    try:
+        children = subprocess.run(["pgrep", "-P", str(lb.proc.pid), "-f", "spawn_main"], capture_output=True,
+                                  text=True, check=True).stdout.split()
+        os.kill(int(children[0]), signal.SIGKILL)
+        # the pool reaps its processes once it has marked itself broken: no request races that
+        assert eventually(lambda: not os.path.exists(f"/proc/{children[0]}"), START_S)
+        large = json.dumps({"text": "x" * 2 * INLINE_JSON_BYTES}).encode()
+        status, body, _ = post(lb.url, large)
+        assert (status, "JSON worker process" in json.loads(body)["error"]["message"]) == (503, True), body
+        assert post(lb.url, large)[0] == 200
     finally:
         lb.stop()
         stands.close()
