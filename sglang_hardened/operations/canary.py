@@ -31,6 +31,10 @@ from .filler import filler, tokens_per_word
 from .oracle import Reply, Verdict, differential_check, generate
 
 CANARY_HEX = 8  # hex digits of a canary: unique per run, and short enough for an answer to repeat
+# checks that fail when the canary could not judge (exit 3, not 1): no answer, or the probe cut short
+ANSWERS = "the deployment answers"
+FINISHED = "probe finished"
+UNFINISHED = (ANSWERS, FINISHED)
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,13 @@ class CanaryReport:
         judged = [c for c in self.checks if c.judged]
         return bool(judged) and all(c.ok for c in judged)
 
+    @property
+    def unjudged(self) -> bool:
+        """Failed only because the deployment did not answer, or the probe did not finish."""
+        return not self.ok and all(c.name in UNFINISHED for c in self.checks if c.judged and not c.ok)
+
     def to_json(self) -> dict:
-        return {"url": self.url, "ok": self.ok, "requests": self.requests, "seconds": round(self.seconds, 1),
+        return {"url": self.url, "ok": self.ok, "unjudged": self.unjudged, "requests": self.requests, "seconds": round(self.seconds, 1),
                 "checks": [{**asdict(c), "result": c.result} for c in self.checks]}
 
 
@@ -124,7 +133,7 @@ def run_canary(url: str, plan: Plan) -> CanaryReport:
     try:
         per_word = tokens_per_word(send)
     except HardenedError as exc:  # what a CronJob sees when the gate has closed the gateway
-        report.checks.append(Check("the deployment answers", False, str(exc)))
+        report.checks.append(Check(ANSWERS, False, str(exc)))
         report.requests, report.seconds = len(send.sent), time.monotonic() - start
         return report
     canaries = {f"tenant-{i}": f"CANARY-{uuid.uuid4().hex[:CANARY_HEX]}" for i in range(plan.tenants)}
@@ -136,7 +145,7 @@ def run_canary(url: str, plan: Plan) -> CanaryReport:
     try:
         verdicts = {name: differential_check(send, p, histories, plan.rounds) for name, p in probes.items()}
     except HardenedError as exc:  # the budget spent, or the deployment stopped answering
-        report.checks.append(Check("probe finished", False, str(exc)))
+        report.checks.append(Check(FINISHED, False, str(exc)))
         verdicts = {}
     report.checks.append(_cross_tenant(send.sent, canaries))
     if verdicts:

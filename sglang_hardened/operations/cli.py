@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -10,28 +9,29 @@ from pathlib import Path
 import click
 
 from ..common.errors import HardenedError
+from ..common.output import OK, PROBLEM, UNJUDGED, json_option, say, write_json
 from ..common.table import format_table
 
 
-def _echo_findings(findings: list) -> None:
+def _echo_findings(findings: list, json_to: str | None = None) -> None:
     """Preflight's findings (and deploy check's, the same rules) as one table, if any."""
     if findings:
-        click.echo()
-        click.echo(format_table(("severity", "where", "finding", "remedy"),
-                                [(f.severity, f.where, f.what, f.remedy) for f in findings]))
+        say("\n" + format_table(("severity", "where", "finding", "remedy"),
+                                 [(f.severity, f.where, f.what, f.remedy) for f in findings]), json_to)
 
 
 @click.command("preflight")
 @click.option("--prefill", multiple=True, required=True, metavar="URL", help="A prefill node's HTTP URL (repeatable).")
 @click.option("--decode", multiple=True, required=True, metavar="URL", help="A decode node's HTTP URL (repeatable).")
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per query.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON here.")
+@json_option("The report")
 @click.option("--bootstrap/--no-bootstrap", default=True, show_default=True,
               help="Also read each hardened prefill's registered input limit from its bootstrap port (shown, not "
                    "judged); --no-bootstrap where a network policy keeps this host off that port.")
-def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float, json_path: Path | None,
+def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float, json_to: str | None,
               bootstrap: bool) -> None:
-    """Check every live node of a PD deployment; exit 1 on any unsafe finding.
+    """Check every live node of a PD deployment; exit 1 on any unsafe finding, 3 when the only
+    ones are nodes that did not answer (nothing judged there).
 
     Reports each node's hardened version and hardening ids, KV pool vs
     context length, input limits, page size and KV layout, checksum flags,
@@ -47,13 +47,11 @@ def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float,
     from .preflight import preflight as run_preflight
 
     report = run_preflight(list(prefill), list(decode), timeout, bootstrap)
-    click.echo(format_table(NODE_COLUMNS, [node_row(n) for n in report.nodes]))
-    _echo_findings(report.findings)
-    if json_path:
-        json_path.write_text(json.dumps(report.to_json(), indent=1))
-    click.echo(f"\npreflight: {'ok' if report.ok else 'UNSAFE'}")
-    if not report.ok:
-        sys.exit(1)
+    say(format_table(NODE_COLUMNS, [node_row(n) for n in report.nodes]), json_to)
+    _echo_findings(report.findings, json_to)
+    write_json(json_to, report.to_json())
+    say(f"\npreflight: {'ok' if report.ok else 'UNSAFE'}", json_to)
+    sys.exit(OK if report.ok else UNJUDGED if report.unjudged_only else PROBLEM)
 
 
 @click.command("canary")
@@ -67,10 +65,11 @@ def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float,
 @click.option("--rounds", type=int, default=2, show_default=True)
 @click.option("--max-requests", type=int, default=80, show_default=True)
 @click.option("--time-budget", type=float, default=600.0, show_default=True, help="Seconds for the whole probe.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the JSON report here.")
+@json_option("The report")
 def canary(url: str, pool_tokens: int, context_length: int, tenants: int, repeats: int, rounds: int,
-           max_requests: int, time_budget: float, json_path: Path | None) -> None:
-    """Probe a deployment through its LB for cross-tenant leaks; exit 1 on failure.
+           max_requests: int, time_budget: float, json_to: str | None) -> None:
+    """Probe a deployment through its LB for cross-tenant leaks; exit 1 on failure, 3 when the
+    deployment did not answer (nothing judged).
 
     Fails if an answer holds another tenant's canary string, if a prompt
     over the prefill KV pool gets a 2xx, or if a greedy probe's output
@@ -87,18 +86,16 @@ def canary(url: str, pool_tokens: int, context_length: int, tenants: int, repeat
     plan = Plan(pool_tokens, context_length, tenants, repeats, rounds, max_requests=max_requests,
                 time_budget_s=time_budget)
     report = run_canary(url, plan)
-    click.echo(format_table(("check", "result", "detail"),
-                            [(c.name, c.result, c.detail[:100]) for c in report.checks]))
-    click.echo(f"\ncanary: {'ok' if report.ok else 'FAILED'} ({report.requests} requests, {report.seconds:.0f} s)")
-    if json_path:
-        json_path.write_text(json.dumps(report.to_json(), indent=1))
-    if not report.ok:
-        sys.exit(1)
+    say(format_table(("check", "result", "detail"), [(c.name, c.result, c.detail[:100]) for c in report.checks]),
+        json_to)
+    say(f"\ncanary: {'ok' if report.ok else 'FAILED'} ({report.requests} requests, {report.seconds:.0f} s)", json_to)
+    write_json(json_to, report.to_json())
+    sys.exit(OK if report.ok else UNJUDGED if report.unjudged else PROBLEM)
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON.")
-def info(as_json: bool) -> None:
+@json_option("The whole manifest")
+def info(json_to: str | None) -> None:
     """Say what the installed sglang carries (its hardening manifest), and the CPython tag and
     machine it runs on.
 
@@ -114,14 +111,12 @@ def info(as_json: bool) -> None:
     if (other := shadowed_by()) is not None:
         raise HardenedError(f"this Python imports sglang from {other}, not the hardened wheel's files: an "
                             "editable install or a source tree on sys.path shadows it (uninstall it, or run elsewhere)")
-    if as_json:
-        click.echo(json.dumps({**found, "runs_on": runs_on()}, indent=2, sort_keys=True))
-        return
-    click.echo(f"sglang {found['version']} (upstream {found['upstream']['file']}, "
-               f"sha256 {found['upstream']['sha256']}), on {runs_on()}")
-    click.echo(format_table(("patch", "id", "sha256", "summary"),
-                            [(p["name"], p["hardening_id"], p["sha256"][:16] + "…", p["summary"])
-                             for p in found["patches"]]))
+    say(f"sglang {found['version']} (upstream {found['upstream']['file']}, "
+        f"sha256 {found['upstream']['sha256']}), on {runs_on()}", json_to)
+    say(format_table(("patch", "id", "sha256", "summary"),
+                     [(p["name"], p["hardening_id"], p["sha256"][:16] + "…", p["summary"]) for p in found["patches"]]),
+        json_to)
+    write_json(json_to, {**found, "runs_on": runs_on()})
 
 
 @click.group()

@@ -71,8 +71,14 @@ class Report:
     def ok(self) -> bool:
         return not any(f.severity == "unsafe" for f in self.findings)
 
+    @property
+    def unjudged_only(self) -> bool:
+        """Every unsafe finding is a node that did not answer: nothing was judged there."""
+        silent = {f"{n.role} {n.url}" for n in self.nodes if n.info is None}
+        return not self.ok and all(f.where in silent for f in self.findings if f.severity == "unsafe")
+
     def to_json(self) -> dict:
-        return {"ok": self.ok, "findings": [f.__dict__ for f in self.findings],
+        return {"ok": self.ok, "unjudged": self.unjudged_only, "findings": [f.__dict__ for f in self.findings],
                 "nodes": [{"role": n.role, "url": n.url, "error": n.error, "bootstrap_limit": n.bootstrap_limit,
                            **dict(zip(NODE_COLUMNS[2:], node_row(n)[2:]))} for n in self.nodes]}
 

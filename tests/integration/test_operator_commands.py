@@ -1,0 +1,71 @@
+"""The operator commands on a deployment that does not answer (#48), and their one meaning of
+--json and exit codes (sglang_hardened/common/output.py). The canary's CronJob meets a dead
+gateway whenever the preflight gate has taken it out of service: the canary used to end in a
+traceback (an uncaught URLError in its calibration request) and write no report."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from sglang_hardened.common.output import UNJUDGED
+from sglang_hardened.operations.cli import canary, preflight
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once it is closed
+
+
+class Unavailable(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # a gateway with no healthy worker
+        self.send_response(503)
+        self.end_headers()
+        self.wfile.write(b'{"error": "no available workers"}')
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def unavailable_url():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("which", ["refused", "503"])
+def test_a_deployment_that_does_not_answer_fails_the_canary_with_a_report(which, unavailable_url, tmp_path):
+    url = f"http://127.0.0.1:{closed_port()}" if which == "refused" else unavailable_url
+    out = tmp_path / "canary.json"
+    result = CliRunner().invoke(canary, ["--url", url, "--pool-tokens", "256", "--context-length", "1024",
+                                         "--json", str(out)])
+    assert result.exit_code == UNJUDGED and isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output and "the deployment answers" in result.output, result.output
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and report["unjudged"] is True and any(c["name"] == "the deployment answers" and c["result"] == "FAIL"
+                                         for c in report["checks"]), report
+    assert ("did not answer" if which == "refused" else "HTTP 503") in out.read_text()
+
+
+def test_preflight_json_alone_is_stdout_that_parses_and_a_silent_node_is_unjudged(unavailable_url):
+    dead = f"http://127.0.0.1:{closed_port()}"
+    result = CliRunner().invoke(preflight, ["--prefill", dead, "--decode", dead, "--timeout", "2", "--json"])
+    assert result.exit_code == UNJUDGED, result.output
+    report = json.loads(result.stdout)  # the table went to stderr
+    assert report["ok"] is False and report["unjudged"] is True
+    assert dead in result.stderr and "not reachable" in result.stderr
+
+
+def test_json_into_a_path_keeps_the_table_on_stdout(tmp_path):
+    dead, out = f"http://127.0.0.1:{closed_port()}", tmp_path / "preflight.json"
+    result = CliRunner().invoke(preflight, ["--prefill", dead, "--decode", dead, "--timeout", "2", "--json", str(out)])
+    assert result.exit_code == UNJUDGED and "preflight: UNSAFE" in result.stdout
+    assert json.loads(out.read_text())["unjudged"] is True and not list(tmp_path.glob(".*"))  # no temp file left
