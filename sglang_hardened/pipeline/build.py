@@ -26,7 +26,7 @@ from .lock import LOCK_NAME, UpstreamPin, get_wheels
 from .manifest import build_manifest, write_manifest
 from .sbom import write_sbom
 from .series import Series, load_series
-from .stamp import hardened_version, stamp_metadata, stamp_version_module
+from .stamp import changes, hardened_version, stamp_change_notices, stamp_metadata, stamp_version_module
 from .wheelfile import ZIP_EPOCH_MIN, WheelTree, unpacked
 
 Progress = Callable[[str], None]
@@ -86,6 +86,7 @@ def build_one(pin: UpstreamPin, series: Series, upstream: Path, dest_dir: Path,
         progress(f"{series.base}: unpacked {upstream.name}")
         apply_series(tree, series, lambda name: progress(f"{series.base}: applied {name}"))
         stamp_version_module(tree, series.base, version)
+        stamp_change_notices(tree, changes(series))
         stamp_metadata(tree, series.base, version, __version__)
         write_manifest(tree, manifest)
         write_sbom(tree, manifest, epoch)
@@ -125,7 +126,7 @@ def inputs_digest(patches: Path, base: str) -> str:
     """What ``build([base])`` reads, as one hash: the lock, the base's series and patches, and the
     tool's own source (its wheel, and the code that builds). Builds are reproducible, so equal
     inputs give equal wheels, and a cache keyed on this skips the build."""
-    tool = [*tool_sources(), *(TOOL_ROOT / name for name in ("pyproject.toml", "README.md"))]
+    tool = [*tool_sources(), *(TOOL_ROOT / name for name in ("pyproject.toml", "README.md", "LICENSE", "NOTICE"))]
     patch_files = [patches / LOCK_NAME, *(p for p in (patches / base).rglob("*") if p.is_file())]
     epoch = os.environ.get("SOURCE_DATE_EPOCH", "")
     return hashlib.sha256(f"{files_digest(TOOL_ROOT, tool)} {files_digest(patches, patch_files)} {epoch}".encode()).hexdigest()

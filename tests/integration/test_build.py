@@ -11,15 +11,17 @@ import pytest
 from cyclonedx.schema import SchemaVersion
 from cyclonedx.validation.json import JsonStrictValidator
 
-from sglang_hardened.common.hashing import sha256_file
+from sglang_hardened.common.hashing import record_digest, sha256_file
 from sglang_hardened.pipeline import unidiff
 from sglang_hardened.pipeline.build import build, every
+from sglang_hardened.pipeline.fetch import cached_path
 from sglang_hardened.pipeline.lock import get_wheels, load_lock
 from sglang_hardened.pipeline.seams import added_runs
 from sglang_hardened.pipeline.sbom import SBOM_FILE
 from sglang_hardened.pipeline.series import load_series
-from sglang_hardened.pipeline.stamp import hardened_version
-from sglang_hardened.pipeline.wheelfile import python_sources
+from sglang_hardened.pipeline.stamp import VERSION_FILE, VERSION_STAMP, change_notice, hardened_version, notice_line
+from sglang_hardened.pipeline.wheelfile import python_sources, record_entries
+from sglang_hardened.runtime.identity import MANIFEST_NAME
 from tests.harness import REPO
 
 # Read inside the venv without importing sglang's package __init__ (it needs
@@ -99,7 +101,6 @@ def test_wheel_metadata_requires_the_runtime_layer_and_drops_nothing(built, patc
     results, _ = built
     result = results["0.5.23"]
     pin = load_lock(patches)["0.5.23"]
-    from sglang_hardened.pipeline.fetch import cached_path
 
     with zipfile.ZipFile(result.wheel) as hardened, zipfile.ZipFile(cached_path(pin)) as upstream:
         dist = f"sglang-{result.version}.dist-info/"
@@ -111,6 +112,38 @@ def test_wheel_metadata_requires_the_runtime_layer_and_drops_nothing(built, patc
         assert upstream_payload == hardened_payload
         assert hardened.namelist()[-1] == dist + "RECORD"
         assert hardened.testzip() is None
+
+
+def test_the_wheels_carry_the_licences_and_every_changed_file_says_what_changed_it(built, patches):
+    """Apache-2.0: SGLang's licence stays in each hardened wheel; each file the build changed
+    starts (below a shebang or encoding line) with a notice naming the patches, in RECORD as
+    it is; the tool wheel carries the project's LICENSE and NOTICE, which names where a hardened
+    wheel lists its changes."""
+    results, tool = built
+    for base, result in results.items():
+        series = load_series(patches, base)
+        by_file: dict[str, list[str]] = {}
+        for patch in series.patches:
+            for target in {fp.target for fp in unidiff.parse(patch.diff)}:
+                by_file.setdefault(target, []).append(patch.name)
+        by_file.setdefault(VERSION_FILE, []).append(VERSION_STAMP)
+        record = record_entries(result.wheel)
+        with zipfile.ZipFile(result.wheel) as hardened, zipfile.ZipFile(cached_path(load_lock(patches)[base])) as upstream:
+            licence = upstream.read(f"sglang-{base}.dist-info/licenses/LICENSE")
+            assert hardened.read(f"sglang-{result.version}.dist-info/licenses/LICENSE") == licence
+            for name, by in by_file.items():
+                data = hardened.read(name)
+                lines = data.decode().splitlines(keepends=True)
+                assert lines[notice_line(lines)] == change_notice(by), (base, name, lines[:3])
+                assert record[name] == record_digest(data), (base, name)
+    with zipfile.ZipFile(tool) as zf:
+        dist = tool.name.split("-py3")[0] + ".dist-info"
+        for name in ("LICENSE", "NOTICE"):
+            assert zf.read(f"{dist}/licenses/{name}") == (REPO / name).read_bytes(), name
+        metadata = zf.read(f"{dist}/METADATA").decode()
+        assert "License-Expression: Apache-2.0\n" in metadata and "License-File: NOTICE\n" in metadata
+    notice = (REPO / "NOTICE").read_text()
+    assert MANIFEST_NAME in notice and SBOM_FILE in notice
 
 
 def test_two_builds_are_byte_identical(built, tmp_path):
