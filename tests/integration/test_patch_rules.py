@@ -1,5 +1,5 @@
-"""Rules about the patches that code checks: the seam rule (verify), and one patch saying
-the same thing on every base."""
+"""Rules about the patches that code checks: the seam rule (verify), one patch saying
+the same thing on every base, and each patch saying why it was not sent upstream."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from collections import defaultdict
 
 from sglang_hardened.pipeline import seams
 from sglang_hardened.pipeline.series import load_series
+
+# DEP-3's Forwarded: where it went, or `no` / `not-needed` and, on the same line, why
+FORWARDED = re.compile(r"https?://\S+|(?:no|not-needed), \S.{9,}")
 
 SEAM = '''--- a/sglang/srt/x.py
 +++ b/sglang/srt/x.py
@@ -59,3 +62,10 @@ def test_a_patch_says_the_same_on_every_base_unless_it_declares_a_variant(patche
         if len(descriptions) > 1:
             undeclared = [b for b, h in by_base.items() if not h.get("Variant")]
             assert not undeclared, f"{name}: its description differs across bases; declare a Variant on {undeclared}"
+
+
+def test_every_patch_says_why_it_was_not_forwarded(patches, bases):
+    bare = [f"{base}/{p.name}: Forwarded: {p.headers['Forwarded']}"
+            for base in bases for p in load_series(patches, base).patches
+            if not FORWARDED.fullmatch(p.headers["Forwarded"])]
+    assert not bare, "\n".join(bare)
