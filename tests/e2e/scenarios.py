@@ -100,6 +100,19 @@ TRUNC_PARAMS = dict(prefill_pool_tokens=1024, decode_pool_tokens=1200, context_l
 TRUNC_PREFILL_TOKENS = 506  # what prefill keeps of a longer prompt there
 SAME_PAGE_TOKENS = 509
 SAME_PAGE = prompt_of(SAME_PAGE_TOKENS)
+# Issue #45's page size, the recipe's default. With 64-token pages prefill's 506 tokens end in page 7
+# (448-511), as SAME_PAGE does; LAST_PAGE (530) ends one page later on decode, in page 8, partly filled
+# and the one page no transfer writes. PAGE_ENDS fit both limits: prompts either side of page ends.
+RECIPE_PAGE = 64
+LAST_PAGE_TOKENS = 530
+LAST_PAGE = prompt_of(LAST_PAGE_TOKENS)
+PAGE_ENDS = {f"ends_{n}": prompt_of(n) for n in (63, 64, 65, 127, 128, 129)}
+
+
+def trunc_params(page_size: int) -> dict:
+    """TRUNC_PARAMS with ``page_size``-token pages, decode's pool rounded up to whole pages."""
+    pool = TRUNC_PARAMS["decode_pool_tokens"]
+    return TRUNC_PARAMS | {"page_size": page_size, "decode_pool_tokens": -(-pool // page_size) * page_size}
 
 
 @dataclass
@@ -195,10 +208,10 @@ def hardened_samples(cluster: Cluster, role: str) -> list:
 
 def hardened_metric(cluster: Cluster, role: str, name: str, served: bool = True, **labels: str) -> float:
     """The sum of ``role``'s samples ``sglang_hardened_<name>`` whose labels include ``labels``
-    (0 when it has none: a counter appears at its first event). A role that serves no hardened
-    metric at all fails the test (metrics off, or not a hardened build, must not read as zero),
-    unless ``served`` is False: a quiet role may have counted nothing yet (the caller then
-    shows the cluster serves them elsewhere)."""
+    (0 when it has none). A hardened server serves every listed series from its start (at 0),
+    so a role that serves no hardened metric at all fails the test (metrics off, or not a
+    hardened build, must not read as zero), unless ``served`` is False: the caller then shows
+    the cluster serves them elsewhere."""
     samples = hardened_samples(cluster, role)
     assert samples or not served, f"{role}'s /metrics serves no sglang_hardened_ metric: not a hardened build, or metrics off"
     return sum(s.value for s in samples if s.name == f"sglang_hardened_{name}" and labels.items() <= s.labels.items())
