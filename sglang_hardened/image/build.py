@@ -23,7 +23,7 @@ from ..common.errors import HardenedError
 from ..common.hashing import record_digest
 from ..common.paths import patches_dir
 from ..pipeline.build import TOOL_ROOT, Progress, build, tool_sources
-from ..pipeline.lock import UpstreamPin, get_wheels
+from ..pipeline.lock import UpstreamPin, get_wheels, pin_for
 from ..pipeline.manifest import build_manifest
 from ..pipeline.series import load_series
 from ..pipeline.stamp import hardened_version
@@ -102,11 +102,7 @@ def ensure_wheels(base: str, out_dir: Path, progress: Progress, runs_on: str | N
     """
     patches = patches_dir()
     pins, series = get_wheels(patches, base), load_series(patches, base)
-    matching = [p for p in pins if runs_on in (None, f"{p.python} {p.arch}")][:1]
-    if not matching:
-        raise HardenedError(f"upstream ships no sglang {base} wheel for {runs_on} (it ships: "
-                            f"{', '.join(f'{p.python} {p.arch}' for p in pins)})")
-    [pin] = matching
+    pin = pin_for(pins, runs_on) if runs_on else pins[0]
     version = hardened_version(base, series.revision)
     found = out_dir / hardened_name(pin, version)
     tools = sorted(out_dir.glob(f"sglang_hardened-{__version__}-*.whl"))

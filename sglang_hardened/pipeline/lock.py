@@ -1,9 +1,9 @@
 """The pinned upstream wheels (`patches/upstream.lock`), the one source of their hashes.
 
 Upstream ships one wheel per CPython tag and architecture, each with its own compiled
-extensions and the same Python sources. Each base pins its reference wheel (``file``, the one
-the sandbox and the tests run: cp311 x86_64) and every other wheel it ships (``also``); the
-build hardens each from the same series."""
+extensions and the same Python sources. Each base pins its reference wheel (``file``, cp311
+x86_64, which the sandbox runs by default) and every other wheel it ships (``also``, which the
+sandbox runs under another Python); the build hardens each from the same series."""
 
 from __future__ import annotations
 
@@ -44,6 +44,11 @@ class UpstreamPin:
         platforms = sorted({t.platform for t in self.tags})
         found = {m.group(1) for p in platforms if (m := re.fullmatch(r"(?:(?:many|musl)linux_\d+_\d+|manylinux\d+)_(.+)", p))}
         return found.pop() if len(found) == 1 else platforms[0]
+
+    @property
+    def runs_on(self) -> str:
+        """The Python and machine the wheel is for, as a node reports what it runs: ``cp312 x86_64``."""
+        return f"{self.python} {self.arch}"
 
 
 def _read(patches: Path) -> tuple[Path, dict]:
@@ -96,6 +101,15 @@ def get_wheels(patches: Path, base: str) -> list[UpstreamPin]:
     if base not in wheels:
         raise HardenedError(f"unknown base {base!r}; supported bases: {', '.join(wheels)}")
     return wheels[base]
+
+
+def pin_for(pins: list[UpstreamPin], runs_on: str) -> UpstreamPin:
+    """The one of a base's ``pins`` built for ``runs_on`` (``cp312 x86_64``), or an error naming those it has."""
+    for pin in pins:
+        if pin.runs_on == runs_on:
+            return pin
+    raise HardenedError(f"upstream ships no sglang {pins[0].base} wheel for {runs_on} (it ships: "
+                        f"{', '.join(p.runs_on for p in pins)})")
 
 
 def lock_block(pins: list[UpstreamPin]) -> str:

@@ -5,39 +5,27 @@ built for it among every wheel the build writes (it once found none: only cp311 
 
 from __future__ import annotations
 
-import glob
 import platform
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.pythons import interpreter, this_version
 from sglang_hardened.pipeline.build import build
 from sglang_hardened.pipeline.lock import load_lock
 from tests.harness import REPO
 
 README = REPO / "README.md"
-THIS = f"{sys.version_info.major}.{sys.version_info.minor}"
+THIS = this_version()
 
 
 def install_lines() -> list[str]:
     """The commands of the README's install block (comments dropped)."""
     block = re.search(r"## Install the result\n\n```sh\n(.*?)```", README.read_text(), re.S).group(1)
     return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
-
-
-def interpreter(version: str) -> str:
-    """A python of ``version``: this one, pyenv's (what this machine and CI have; its shims need
-    pyenv's own environment), or one on PATH."""
-    if version == THIS:
-        return sys.executable
-    pyenv = sorted(glob.glob(str(Path.home() / f".pyenv/versions/{version}.*/bin/python{version}")))
-    found = pyenv[-1] if pyenv else shutil.which(f"python{version}")
-    assert found, f"python{version} is needed for this test (e.g. `pyenv install {version}`)"
-    return found
 
 
 @pytest.fixture(scope="module")
