@@ -11,7 +11,7 @@ from ..common.errors import HardenedError
 from ..common.paths import cache_dir
 from ..runtime.release_timeout import release_timeout_s
 from .cluster import BACKENDS, LBS, Cluster, ClusterParams, marked_pids, start
-from .env import SandboxError, build_env, default_overlay, wheels_for
+from .env import DEFAULT_PYTHON, PYTHONS, SandboxError, build_env, default_overlay, wheels_for
 from .model import VARIANTS, default_variant, ensure_model
 from .soak.plan import DEFAULT_MIX, DEFAULT_RATES, FAULTS, SoakPlan
 
@@ -44,7 +44,9 @@ def sandbox() -> None:
 @click.option("--base", required=True, help="SGLang release, e.g. 0.5.19.")
 @click.option("--upstream/--hardened", "upstream", default=True, help="Pinned upstream wheel or hardened build.")
 @click.option("--wheel", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Run this SGLang wheel instead.")
+              help="Run this SGLang wheel instead (built for --python).")
+@click.option("--python", "python", type=click.Choice(list(PYTHONS)), default=DEFAULT_PYTHON, show_default=True,
+              help="The servers' Python: upstream's wheel for it, or its hardened build (production's image runs 3.12).")
 @click.option("--backend", type=click.Choice(sorted(BACKENDS)), default="mooncake", show_default=True)
 @click.option("--lb", type=click.Choice(LBS), default="mini-lb", show_default=True,
               help="sglang-router's mini-lb, `sglang-hardened lb`, or the SGLang Model Gateway (smg).")
@@ -69,7 +71,7 @@ def sandbox() -> None:
               "(the model is then qwen3 unless --model says otherwise).")
 @click.option("--model", "model", type=click.Choice(sorted(VARIANTS)), default=None,
               help="Tiny model variant [default: tiny; qwen3 with --dp: upstream's Llama cannot run DP attention].")
-def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, lb: str, prefill_pool_tokens: int,
+def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, backend: str, lb: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
        overlay: Path | None, instrument: bool, tp: int, decode_tp: int | None, dp: int, model: str | None) -> None:
@@ -78,6 +80,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
     \b
     Example:
       sglang-hardened sandbox up --base 0.5.23 --hardened --lb smg --prefill-pool-tokens 2048
+      sglang-hardened sandbox up --base 0.5.23 --hardened --python 3.12 --via-launch --lb hardened
       sglang-hardened sandbox up --base 0.5.23 --hardened --instrument --prefill-pool-tokens 1024 \
         --decode-pool-tokens 2600 --env SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=8
       sglang-hardened sandbox up --base 0.5.23 --hardened --tp 2 --decode-tp 1
@@ -96,13 +99,13 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, backend: str, l
         params.validate()
         if via_launch and (upstream or wheel):
             raise SandboxError("--via-launch needs --hardened: `launch` comes with the hardened build's tool wheel")
-        wheels = [wheel] if wheel else wheels_for(base, hardened=not upstream)
-        env = build_env(base, wheels, overlay or default_overlay())
+        wheels = [wheel] if wheel else wheels_for(base, hardened=not upstream, python=python)
+        env = build_env(base, wheels, overlay or default_overlay(), python)
         cluster = start(env, params, ensure_model(env, model or default_variant(dp)))
     except SandboxError as e:
         raise click.ClickException(str(e)) from e
     _save(name, cluster)
-    click.echo(f"up in {cluster.startup_s:.0f}s: load balancer {cluster.lb_url}")
+    click.echo(f"up in {cluster.startup_s:.0f}s on Python {python}: load balancer {cluster.lb_url}")
 
 
 @sandbox.command()

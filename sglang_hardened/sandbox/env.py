@@ -1,10 +1,11 @@
-"""Per-base Python environments that run real SGLang on CPU.
+"""Per-base Python environments that run real SGLang on CPU, under a chosen Python.
 
 Five bases share torch, triton and ~110 other pins (~3 GB), so they share one
-venv; each base adds a small ``--target`` layer for the pins that differ, and
+venv per Python; each base adds a small ``--target`` layer for the pins that differ, and
 each SGLang wheel (upstream or hardened) is installed ``--no-deps`` into its
 own ``--target`` dir. Every part is keyed on the hash of its inputs and
-stamped when complete, so a rebuild happens only when an input changes.
+stamped when complete, so a rebuild happens only when an input changes (the
+Python is one: each part holds compiled code for its CPython).
 Test-only CPU stand-ins (an overlay dir with ``edits.toml`` and ``site/``) are
 applied to these environments, never to a wheel.
 """
@@ -16,21 +17,33 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from ..common.errors import HardenedError
 from ..common.hashing import sha256_file
 from ..common.paths import cache_dir
+from ..common.pythons import interpreter, runs_on
+
+if TYPE_CHECKING:
+    from ..pipeline.lock import UpstreamPin
 
 PINS = Path(__file__).with_name("pins")
-PYTHON_VERSION = "3.11"  # the upstream wheels are cp311
+# The Pythons an environment can run, each with the pins file (in pins/) whose pins replace
+# common.txt's of the same names (None: common.txt as it is). 3.11 is the default because
+# common.txt's CPU-only torch is on this machine's index for cp311 only.
+PYTHONS: dict[str, str | None] = {"3.11": None, "3.12": "torch-cuda.txt", "3.13": "torch-cuda.txt"}
+DEFAULT_PYTHON = "3.11"
 
 
 class SandboxError(RuntimeError):
@@ -45,6 +58,11 @@ def bases() -> list[str]:
 def _check_base(base: str) -> None:
     if base not in bases():
         raise SandboxError(f"unknown base {base!r}: the sandbox has pins for {', '.join(bases())}")
+
+
+def _check_python(python: str) -> None:
+    if python not in PYTHONS:
+        raise SandboxError(f"the sandbox runs Python {', '.join(PYTHONS)}, not {python!r}")
 
 
 def _key(*parts: bytes | str) -> str:
@@ -117,6 +135,12 @@ class SandboxEnv:
     python: Path
     path: tuple[Path, ...]  # PYTHONPATH, highest priority first
 
+    @property
+    def version(self) -> str:
+        """The environment's Python (``3.12``), read from its venv: the one record of what built it."""
+        cfg = (self.python.parent.parent / "pyvenv.cfg").read_text()
+        return re.search(r"^version(?:_info)?\s*=\s*(\d+\.\d+)", cfg, re.M).group(1)
+
     def environ(self) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(map(str, self.path))
@@ -124,13 +148,35 @@ class SandboxEnv:
         return env
 
 
-def _python311() -> str:
-    if sys.version_info[:2] == (3, 11):
-        return sys.executable
-    found = shutil.which(f"python{PYTHON_VERSION}")
-    if not found:
-        raise SandboxError(f"python{PYTHON_VERSION} is needed: the upstream wheels are cp311")
-    return found
+def _interpreter(python: str) -> str:
+    try:
+        return interpreter(python)
+    except HardenedError as e:
+        raise SandboxError(f"{e} (the sandbox builds its Python {python} environments with it)") from e
+
+
+def _pin_name(line: str) -> str | None:
+    """The canonical name a pins line pins, or None for a blank or comment line."""
+    text = line.split("#", 1)[0].strip()
+    if not text:
+        return None
+    try:
+        return canonicalize_name(Requirement(text).name)
+    except InvalidRequirement as e:
+        raise SandboxError(f"bad pins line {line!r}: {e}") from e
+
+
+def common_pins(python: str) -> str:
+    """The shared venv's pins for ``python``: common.txt, with its pins of the names that
+    ``python``'s pins file pins replaced by that file's."""
+    _check_python(python)
+    common = (PINS / "common.txt").read_text()
+    if PYTHONS[python] is None:
+        return common
+    own = (PINS / PYTHONS[python]).read_text()
+    replaced = {_pin_name(line) for line in own.splitlines()} - {None}
+    kept = [line for line in common.splitlines() if _pin_name(line) not in replaced]
+    return "\n".join([*kept, f"# {PYTHONS[python]}, for Python {python}:", *own.splitlines()]) + "\n"
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -176,24 +222,25 @@ def _pip(python: str, *args: str) -> list[str]:
     return [python, "-m", "pip", "install", "--no-deps", "--no-input", "--disable-pip-version-check", *args]
 
 
-def _common(overlay: Overlay, log: Path) -> Path:
-    pins = PINS / "common.txt"
-    key = _key(pins.read_bytes(), overlay.digest(of_sglang=False), PYTHON_VERSION)
+def _common(overlay: Overlay, log: Path, python: str) -> Path:
+    pins = common_pins(python)
+    key = _key(pins, overlay.digest(of_sglang=False), python)
     dest = cache_dir() / "envs" / f"common-{key}"
+    what = f"the shared Python {python} venv"
 
     def build(d: Path) -> dict:
-        _run([_python311(), "-m", "venv", str(d)], log)
-        py = str(d / "bin" / "python")
-        _run(_pip(py, "-r", str(pins)), log)
-        return {"overlay": overlay.apply(_site_packages(d), None, "the shared venv")}
+        _run([_interpreter(python), "-m", "venv", str(d)], log)
+        (d / "sandbox-pins.txt").write_text(pins)
+        _run(_pip(str(d / "bin" / "python"), "-r", str(d / "sandbox-pins.txt")), log)
+        return {"overlay": overlay.apply(_site_packages(d, python), None, what)}
 
-    info = _built(dest, {"pins": str(pins), "overlay": str(overlay.root)}, build)
-    overlay.check_applied(_site_packages(dest), None, "the shared venv", info.get("overlay", []))
+    info = _built(dest, {"pins": f"common.txt for Python {python}", "overlay": str(overlay.root)}, build)
+    overlay.check_applied(_site_packages(dest, python), None, what, info.get("overlay", []))
     return dest
 
 
-def _site_packages(venv: Path) -> Path:
-    return venv / "lib" / f"python{PYTHON_VERSION}" / "site-packages"
+def _site_packages(venv: Path, python: str) -> Path:
+    return venv / "lib" / f"python{python}" / "site-packages"
 
 
 def _target(python: Path, name: str, key: str, args: list[str], overlay: Overlay, log: Path,
@@ -211,28 +258,51 @@ def _target(python: Path, name: str, key: str, args: list[str], overlay: Overlay
     return dest
 
 
-def upstream_wheel(base: str, patches: Path | None = None) -> Path:
-    """The pinned upstream wheel for ``base`` (downloaded once, sha256-checked), pinned by
-    ``patches``' lock (default the checkout's tree)."""
-    from ..common.paths import patches_dir
-    from ..pipeline.fetch import fetch_wheel
-    from ..pipeline.lock import load_lock
+def _pin(base: str, patches: Path, python: str) -> UpstreamPin:
+    """The upstream pin of ``base`` that Python ``python`` on this machine runs, by ``patches``' lock."""
+    from ..pipeline.lock import load_wheels, pin_for
 
-    pins = load_lock(patches or patches_dir())
-    if base not in pins:
-        raise SandboxError(f"unknown base {base!r}: upstream.lock pins {', '.join(pins)}")
+    _check_python(python)
     try:
-        return fetch_wheel(pins[base])
+        wheels = load_wheels(patches)
+        if base not in wheels:
+            raise SandboxError(f"unknown base {base!r}: upstream.lock pins {', '.join(wheels)}")
+        return pin_for(wheels[base], runs_on(python))
     except HardenedError as e:
         raise SandboxError(str(e)) from e
 
 
-def build_env(base: str, wheels: list[Path], overlay: Path) -> SandboxEnv:
-    """Build (or reuse) the environment running ``wheels`` (SGLang first) for ``base`` on CPU."""
+def upstream_wheel(base: str, patches: Path | None = None, python: str = DEFAULT_PYTHON) -> Path:
+    """The pinned upstream wheel of ``base`` for ``python`` (downloaded once, sha256-checked),
+    pinned by ``patches``' lock (default the checkout's tree)."""
+    from ..common.paths import patches_dir
+    from ..pipeline.fetch import fetch_wheel
+
+    pin = _pin(base, patches or patches_dir(), python)
+    try:
+        return fetch_wheel(pin)
+    except HardenedError as e:
+        raise SandboxError(str(e)) from e
+
+
+def _check_wheel(wheel: Path, python: str) -> None:
+    """A wheel of compiled code for another CPython cannot run in ``python``'s environment: say so
+    before pip says "not a supported wheel" deep in a log."""
+    if not wheel.is_file():
+        raise SandboxError(f"no such wheel: {wheel}")
+    built_for = {t.interpreter for t in parse_wheel_filename(wheel.name)[3] if t.interpreter.startswith("cp")}
+    if built_for and runs_on(python).split()[0] not in built_for:
+        raise SandboxError(f"{wheel.name} is built for {', '.join(sorted(built_for))}, not the environment's "
+                           f"Python {python}: choose the Python it is built for, or its wheel for {python}")
+
+
+def build_env(base: str, wheels: list[Path], overlay: Path, python: str = DEFAULT_PYTHON) -> SandboxEnv:
+    """Build (or reuse) the environment running ``wheels`` (SGLang first) for ``base`` on CPU,
+    under Python ``python``."""
     _check_base(base)
+    _check_python(python)
     for wheel in wheels:
-        if not wheel.is_file():
-            raise SandboxError(f"no such wheel: {wheel}")
+        _check_wheel(wheel, python)
     ov = Overlay(overlay.resolve())
     if not (ov.root / "edits.toml").is_file():
         raise SandboxError(f"not an overlay dir (no edits.toml): {overlay}")
@@ -240,20 +310,19 @@ def build_env(base: str, wheels: list[Path], overlay: Path) -> SandboxEnv:
     logs = cache_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"build-{base}.log"
-    common = _common(ov, log)
-    python = common / "bin" / "python"
+    venv = _common(ov, log, python) / "bin" / "python"
     layers = []
     for name, layer_base in ((base, base), ("nixl", None)):  # the base's own pins, then the NIXL backend (shared)
         pins = PINS / f"{name}.txt"
-        layers.append(_target(python, f"layer-{name}", _key(pins.read_bytes(), ov.digest(of_sglang=False)),
+        layers.append(_target(venv, f"layer-{name}", _key(pins.read_bytes(), ov.digest(of_sglang=False), python),
                               ["-r", str(pins)], ov, log, layer_base, f"the {name} layer"))
     # SGLang and the tool each in a layer of its own: a runtime change reinstalls the small tool
-    # layer, not SGLang (which the overlay edits)
-    sglang = _target(python, "sglang", _key(sha256_file(wheels[0]), ov.digest(of_sglang=True)), [str(wheels[0])], ov,
+    # layer, not SGLang (which the overlay edits; its wheel is already one CPython's)
+    sglang = _target(venv, "sglang", _key(sha256_file(wheels[0]), ov.digest(of_sglang=True)), [str(wheels[0])], ov,
                      log, base, f"the build of {wheels[0].name}")
-    tools = [_target(python, "tool", _key(sha256_file(w)), [str(w)], ov, log, None, f"the tool {w.name}")
+    tools = [_target(venv, "tool", _key(sha256_file(w), python), [str(w)], ov, log, None, f"the tool {w.name}")
              for w in wheels[1:]]
-    return SandboxEnv(base=base, python=python, path=(ov.site, sglang, *tools, *layers))
+    return SandboxEnv(base=base, python=venv, path=(ov.site, sglang, *tools, *layers))
 
 
 def with_load_generator(env: SandboxEnv) -> SandboxEnv:
@@ -262,7 +331,7 @@ def with_load_generator(env: SandboxEnv) -> SandboxEnv:
     ov = Overlay(default_overlay())
     pins = PINS / "bench.txt"
     log = cache_dir() / "logs" / f"build-{env.base}.log"
-    layer = _target(env.python, "layer-bench", _key(pins.read_bytes(), ov.digest(of_sglang=False)),
+    layer = _target(env.python, "layer-bench", _key(pins.read_bytes(), ov.digest(of_sglang=False), env.version),
                     ["-r", str(pins)], ov, log, None, "the load generator's layer")
     return SandboxEnv(base=env.base, python=env.python, path=(*env.path, layer))
 
@@ -287,10 +356,10 @@ def overlay_module(name: str, overlay: Path | None = None) -> ModuleType:
 
 
 def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
-               patches: Path | None = None) -> list[Path]:
-    """The wheels a sandbox installs: pinned upstream SGLang, or the hardened build
-    of ``base`` (from ``patches``, default the checkout's) plus the tool wheel whose
-    runtime layer its patches import.
+               patches: Path | None = None, python: str = DEFAULT_PYTHON) -> list[Path]:
+    """The wheels a sandbox installs under ``python``: the pinned upstream SGLang wheel for
+    that Python, or the hardened build of it (from ``patches``, default the checkout's) plus
+    the tool wheel whose runtime layer its patches import.
 
     ``without`` leaves out the patches of those hardening ids, to show what the
     layers behind them do alone. Builds land in a directory named by their hashes,
@@ -299,7 +368,7 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
     same inputs skip the build: a fresh clone of an unchanged tree builds nothing.
     """
     if not hardened:
-        return [upstream_wheel(base, patches)]
+        return [upstream_wheel(base, patches, python)]
     from ..common.paths import patches_dir
     from ..pipeline.build import build, inputs_digest
     from ..pipeline.series import copy_without
@@ -314,10 +383,11 @@ def wheels_for(base: str, hardened: bool, without: tuple[str, ...] = (),
             patches = patches or patches_dir()
             if without:
                 patches = copy_without(patches, base, without, Path(tmp) / "patches")
-            record = root / base / f"inputs-{inputs_digest(patches, base)[:16]}.json"
+            pin = _pin(base, patches, python)
+            record = root / base / f"inputs-{inputs_digest(patches, base)[:16]}-{pin.runs_on.replace(' ', '-')}.json"
             if cached := _recorded_build(record):
                 return cached
-            [result], tool = build([base], out, patches=patches)
+            [result], tool = build([base], out, patches=patches, choose=lambda pins: [pin])
         except HardenedError as e:
             raise SandboxError(f"hardened build of {base} failed: {e}") from e
         final = root / base / _key(sha256_file(result.wheel), sha256_file(tool))
