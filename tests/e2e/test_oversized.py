@@ -12,7 +12,7 @@ import time
 import pytest
 
 from sglang_hardened.operations.filler import prompt_tokens
-from sglang_hardened.operations.oracle import generate
+from sglang_hardened.operations.oracle import Verdict, generate
 from sglang_hardened.sandbox.env import SandboxError
 from sglang_hardened.sandbox.ledger import Ledger, writer
 from tests.harness import phase
@@ -33,7 +33,6 @@ from .scenarios import (
     SAME_PAGE,
     SAME_PAGE_TOKENS,
     TIMEOUT_PARAMS,
-    TRUNC_PARAMS,
     TRUNC_PREFILL_TOKENS,
     core,
     edge,
@@ -45,6 +44,7 @@ from .scenarios import (
     observe_probes,
     replies,
     shows_nothing_decoded,
+    trunc_params,
     wait_pages_idle,
 )
 
@@ -105,17 +105,25 @@ def test_upstream_truncation_with_unequal_limits_reads_other_tenants_kv(start_cl
     whole hold KV prefill never computed for the request (an earlier request's, or never
     written), too few for the tiny model's answer to move, so the page ledger shows it: which
     prefill slot each position decode attends to came from."""
-    cluster = start_cluster(sandbox_env(base), backend=backend, **TRUNC_PARAMS,
-                            extra_env=(f"{writer.DIR_ENV}={tmp_path}",))
-    with phase(f"scenario truncation {base} upstream {backend}"):
-        v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE})
+    upstream_truncation(start_cluster, base, backend, tmp_path)
+
+
+def upstream_truncation(start_cluster, base: str, backend: str, ledger_dir, page_size: int = 16,
+                        extra: dict[str, str] | None = None, model: str = "tiny") -> dict[str, Verdict]:
+    """The upstream truncation scenario at ``page_size`` on ``model`` (one cluster start); ``extra``
+    probes run beside it, all answered 200, their verdicts returned for the caller to judge."""
+    cluster = start_cluster(sandbox_env(base), model, backend=backend, **trunc_params(page_size),
+                            extra_env=(f"{writer.DIR_ENV}={ledger_dir}",))
+    with phase(f"scenario truncation {base} upstream {backend} page {page_size}"):
+        v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE, **(extra or {})})
     print({name: {label: v[name].outputs(label) for label in v[name].replies} for name in v})
     assert all(r.status == 200 for name in v for r in replies(v[name]))
     assert v["pages_apart"].leaked
-    same_page = unowned_reads(tmp_path, SAME_PAGE_TOKENS)
+    same_page = unowned_reads(ledger_dir, SAME_PAGE_TOKENS)
     past_prefill = list(range(TRUNC_PREFILL_TOKENS, SAME_PAGE_TOKENS))  # in the page prefill sent whole
     assert same_page and all([r.position for r in reads] == past_prefill and None not in [r.slot for r in reads]
                              for reads in same_page), same_page
+    return v
 
 
 def unowned_reads(ledger_dir, tokens: int) -> list[list]:
@@ -136,27 +144,36 @@ def test_hardened_truncation_with_unequal_limits_is_refused(start_cluster, base,
     """H3: the sender fails a transfer that leaves decode pages unwritten; decode refuses a
     prompt whose length differs from prefill's even within one page (the ledger shows the
     three slots of another request reached it). No leak, no 200."""
-    cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **TRUNC_PARAMS,
-                            extra_env=(*DEPTH["extra_env"], f"{writer.DIR_ENV}={tmp_path}"))
+    hardened_truncation(start_cluster, base, backend, tmp_path)
+
+
+def hardened_truncation(start_cluster, base: str, backend: str, ledger_dir, page_size: int = 16,
+                        extra: dict[str, str] | None = None, model: str = "tiny") -> dict[str, Verdict]:
+    """The hardened truncation scenario at ``page_size`` on ``model`` (one cluster start); ``extra``
+    probes run beside it, their verdicts returned for the caller to judge (pages are idle after)."""
+    cluster = start_cluster(sandbox_env(base, hardened=True), model, backend=backend, **trunc_params(page_size),
+                            extra_env=(*DEPTH["extra_env"], f"{writer.DIR_ENV}={ledger_dir}"))
     idle = cluster.used_tokens()
-    with phase(f"scenario truncation {base} hardened {backend}"):
+    sent = f"prefill sends {-(-TRUNC_PREFILL_TOKENS // page_size)}"  # pages prefill's 506 tokens fill
+    with phase(f"scenario truncation {base} hardened {backend} page {page_size}"):
         v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE,
-                                     "control": FITTING_C})
+                                     "control": FITTING_C, **(extra or {})})
     # Pages apart, decode learns of the failed transfer from prefill (by status, or H4's
     # note of prefill's error, whichever comes first); in one page, from its own check.
     assert all(r.status == 500 for r in replies(v["pages_apart"])), v["pages_apart"].replies
     if backend == "mooncake":  # the sender's own check (Mooncake's transfer worker) fired, and its reason
         # reaches the client and decode's log (finding 21.11: they read "prefill might be dead")
-        assert "sends 32" in cluster.log_tail("prefill", 2000)
-        assert all("sglang-hardened H3" in r.body and "but prefill sends 32" in r.body
+        assert sent in cluster.log_tail("prefill", 2000)
+        assert all("sglang-hardened H3" in r.body and f"but {sent}" in r.body
                    for r in replies(v["pages_apart"])), v["pages_apart"].replies
         decode_log = cluster.log_tail("decode", 2000)
-        assert "but prefill sends 32" in decode_log and "might be dead" not in decode_log
+        assert f"but {sent}" in decode_log and "might be dead" not in decode_log
     assert all(r.status == 500 and "sglang-hardened H3" in r.body for r in replies(v["same_page"])), v["same_page"].replies
-    assert any(reads and reads[0].position == TRUNC_PREFILL_TOKENS for reads in unowned_reads(tmp_path, SAME_PAGE_TOKENS))
+    assert any(reads and reads[0].position == TRUNC_PREFILL_TOKENS for reads in unowned_reads(ledger_dir, SAME_PAGE_TOKENS))
     assert all(r.status == 200 for r in replies(v["control"])) and not v["control"].leaked
     assert wait_pages_idle(cluster, idle) == idle
     assert "holds the prompt as 509 tokens" in cluster.log_tail("decode", 2000)
+    return v
 
 
 def test_hardened_0519_without_h1_decode_still_never_reads_unwritten_pages(start_cluster):
@@ -226,8 +243,13 @@ def test_upstream_oversized_prompt_client_waits_for_decode_timeout(share, base, 
     """H4's bug: from 0.5.21 prefill rejects at once (0.5.20 after a one-token forward), but
     decode is never told, and mini-lb relays decode's 500 after its waiting timeout. (The cluster
     is test_lb.py's: decode's timeout frees what it held.)"""
-    cluster = share(base, backend=backend, **TIMEOUT_PARAMS)
-    with phase(f"scenario timeout {base} upstream {backend}"):
+    client_waits_for_decode(share(base, backend=backend, **TIMEOUT_PARAMS))
+
+
+def client_waits_for_decode(cluster) -> None:
+    """The upstream timeout scenario on a started cluster of TIMEOUT_PARAMS' limits."""
+    base, backend = cluster.params.base, cluster.params.backend
+    with phase(f"scenario timeout {base} upstream {backend} page {cluster.params.page_size}"):
         reply = cluster.generate(OVERSIZED_B, timeout=cluster.params.waiting_timeout_s * 4 + 60)
     record_timing("oversized via mini-lb", base, backend, "upstream", reply)
     assert reply.status >= 500, reply
@@ -237,7 +259,13 @@ def test_upstream_oversized_prompt_client_waits_for_decode_timeout(share, base, 
 @pytest.mark.parametrize("base,backend", edge())
 def test_hardened_oversized_prompt_error_reaches_client_at_once(start_cluster, base, backend):
     """H1/H4 where upstream makes the client wait for decode's waiting timeout."""
-    cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **TIMEOUT_PARAMS, **DEPTH)
+    error_reaches_client_at_once(start_cluster(sandbox_env(base, hardened=True), backend=backend,
+                                               **TIMEOUT_PARAMS, **DEPTH))
+
+
+def error_reaches_client_at_once(cluster) -> None:
+    """The hardened timeout scenario on a started cluster of TIMEOUT_PARAMS' limits (H7 overridden)."""
+    base, backend = cluster.params.base, cluster.params.backend
     idle = cluster.used_tokens()
     obs = observe_oversized_via_lb(cluster)
     record_timing("oversized via mini-lb", base, backend, "hardened", obs.via_lb)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.operations.oracle import Verdict
 from sglang_hardened.runtime.page_tags import FAIL_CLOSED_ENV
 from sglang_hardened.sandbox.env import overlay_module
 from tests.harness import SERVER_RESTART, phase
@@ -27,11 +28,11 @@ from .scenarios import (
     HEARTBEAT,
     LEAK_PARAMS,
     OVERSIZED_B,
-    TRUNC_PARAMS,
     observe_probes,
     prompt_of,
     replies,
     shows_nothing_decoded,
+    trunc_params,
     wait_pages_idle,
 )
 
@@ -65,16 +66,24 @@ def test_h8_refuses_pages_a_truncated_transfer_left_unwritten(start_cluster, bas
     """Prefill truncates the prompt and sends fewer pages than decode reads: the pages it did
     not send carry no tag of this request's, so decode refuses it; a fitting prompt is served,
     so the tags did travel with the KV."""
+    h8_truncation(start_cluster, base, backend, page_size)
+
+
+def h8_truncation(start_cluster, base: str, backend: str, page_size: int,
+                  extra: dict[str, str] | None = None) -> dict[str, Verdict]:
+    """The truncation on a hardened build without H3 and H4 (one cluster start); ``extra``
+    probes run beside it, their verdicts returned for the caller to judge."""
     cluster = start_cluster(sandbox_env(base, hardened=True, without=WITHOUT), backend=backend,
-                            **(TRUNC_PARAMS | {"page_size": page_size}), **DEPTH)
+                            **trunc_params(page_size), **DEPTH)
     idle = cluster.used_tokens()
     with phase(f"scenario truncation {base} {backend} page {page_size} hardened without H3"):
-        v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "control": FITTING_C})
+        v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "control": FITTING_C, **(extra or {})})
     assert all(r.status == 500 and REFUSED in r.body for r in replies(v["pages_apart"])), v["pages_apart"].replies
     assert shows_nothing_decoded(v["pages_apart"]), v["pages_apart"].replies
     assert all(r.status == 200 for r in replies(v["control"])) and not v["control"].leaked
     assert wait_pages_idle(cluster, idle) == idle
     assert "do not carry its tag" in cluster.log_tail("decode", 2000)
+    return v
 
 
 def _fault_cluster(start_cluster, switch: Path, base: str, backend: str, hardened: bool, *env_extra: str,

@@ -1,0 +1,95 @@
+"""Page size 64 on both roles (issue #45: the recipe's default), upstream against hardened 0.5.23
+Mooncake: the truncation, the over-pool prompt, and prompts across page ends.
+
+The scenarios are test_oversized.py's and test_page_tags.py's, run with 64-token pages (0.5.19's
+paged allocator has no CPU path for pages over one token, so 0.5.23 only). Beside them run
+``LAST_PAGE``, which ends on decode in the page after prefill's last one, partly filled and
+written by no transfer for it, and ``PAGE_ENDS`` (63 to 129 tokens), which fit both limits and
+must be served as on any page size. Full tier only (no claim: the gate shows H3, H4 and H8 with
+16- and one-token pages); each test's cost is in its docstring, measured 2026-12-06 on this 2-core host.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_hardened.sandbox.ledger import Ledger
+
+from .conftest import sandbox_env
+from .scenarios import (DEPTH, LAST_PAGE, LAST_PAGE_TOKENS, PAGE_ENDS, RECIPE_PAGE, TIMEOUT_PARAMS, TRUNC_PREFILL_TOKENS,
+                        replies, shows_nothing_decoded)
+from .test_oversized import (client_waits_for_decode, error_reaches_client_at_once, hardened_truncation,
+                             unowned_reads, upstream_truncation)
+from .test_page_tags import REFUSED, h8_truncation
+
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
+
+BASE, BACKEND = "0.5.23", "mooncake"
+PROBES = {"last_page": LAST_PAGE, **PAGE_ENDS}
+PREFILL_END = -(-TRUNC_PREFILL_TOKENS // RECIPE_PAGE) * RECIPE_PAGE  # 512: where prefill's last page ends
+
+
+def served_from_its_own_kv(verdicts, ledger_dir=None) -> None:
+    """Each page-end prompt is answered 200 whatever ran before it (the differential oracle) and,
+    with a ledger, every position decode attends to holds KV prefill computed for it."""
+    for name in PAGE_ENDS:
+        assert all(r.status == 200 for r in replies(verdicts[name])) and not verdicts[name].leaked, \
+            (name, verdicts[name].replies)
+        if ledger_dir is not None:
+            assert unowned_reads(ledger_dir, int(name.removeprefix("ends_"))) == [[]] * 4, name
+
+
+def test_upstream_page64_reads_other_tenants_kv_in_the_partial_last_page(start_cluster, tmp_path):
+    """Upstream with unequal limits: decode holds LAST_PAGE as 530 tokens, prefill sent 506, and
+    decode attends to positions 506-529 behind a 200: the rest of prefill's last page (slots
+    prefill held for no position of the request) and all 18 positions of decode's partly filled
+    page 8, which no transfer wrote for it and another request's write wrote last (the ledger).
+    Cost: one cluster start; 45 s."""
+    v = upstream_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, PROBES)
+    ledger = Ledger(tmp_path)
+    last_page = unowned_reads(tmp_path, LAST_PAGE_TOKENS)
+    assert len(last_page) == 4, last_page
+    for reads in last_page:
+        assert [r.position for r in reads] == list(range(TRUNC_PREFILL_TOKENS, LAST_PAGE_TOKENS)), reads
+        assert all(r.slot is None for r in reads if r.position >= PREFILL_END), reads  # no write for it
+        exposure = [e for e in ledger.of("expose") if e["room"] == reads[0].room][-1]
+        page = exposure["pages"][-1]
+        writers = [b["room"] for b in ledger.of("begin") if page in b["pages"] and b["t"] < exposure["t"]]
+        assert writers and writers[-1] != reads[0].room, (page, writers)  # another tenant's KV
+    served_from_its_own_kv(v, tmp_path)
+
+
+def test_hardened_page64_refuses_the_partial_last_page(start_cluster, tmp_path):
+    """H3 with 64-token pages: the sender fails the transfer that leaves decode's page 8 unwritten
+    ("expects 9 pages but prefill sends 8") and the client gets a 500 naming H3; in one page
+    (509 tokens) decode's own check refuses; the page-end prompts are served from their own KV.
+    Cost: one cluster start; 50 s."""
+    v = hardened_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, PROBES)
+    assert all(r.status == 500 and "expects 9 pages but prefill sends 8" in r.body
+               for r in replies(v["last_page"])), v["last_page"].replies
+    served_from_its_own_kv(v, tmp_path)
+
+
+def test_h8_page64_refuses_the_unwritten_partial_last_page(start_cluster):
+    """H8 without H3 and H4, 64-token pages: page 8 of LAST_PAGE carries no tag of the request's,
+    so decode refuses it with nothing decoded, as it refuses the pages a longer truncation leaves;
+    the page-end prompts' tags travel with their KV and they are served. Cost: one cluster start;
+    100 s (its start beside another cluster's)."""
+    v = h8_truncation(start_cluster, BASE, BACKEND, RECIPE_PAGE, PROBES)
+    assert all(r.status == 500 and REFUSED in r.body for r in replies(v["last_page"])), v["last_page"].replies
+    assert shows_nothing_decoded(v["last_page"]), v["last_page"].replies
+    served_from_its_own_kv(v)
+
+
+def test_upstream_page64_over_pool_prompt_client_waits_for_decode_timeout(share):
+    """The incident's prompt (600 tokens over a 256-token prefill pool) with 64-token pages:
+    prefill refuses it, decode is never told, and the client waits out decode's 15 s timeout.
+    Cost: one cluster start (shared by its parameters); 33-52 s."""
+    client_waits_for_decode(share(BASE, backend=BACKEND, **TIMEOUT_PARAMS, page_size=RECIPE_PAGE))
+
+
+def test_hardened_page64_over_pool_prompt_answered_at_once(start_cluster):
+    """H1/H4 with 64-token pages (H7 overridden): prefill's 400 reaches the client well inside
+    decode's timeout, and no page is held after. Cost: one cluster start; 14-42 s."""
+    error_reaches_client_at_once(start_cluster(sandbox_env(BASE, hardened=True), backend=BACKEND, **TIMEOUT_PARAMS,
+                                               **DEPTH, page_size=RECIPE_PAGE))
