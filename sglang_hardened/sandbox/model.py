@@ -10,7 +10,9 @@ layers: transfers of many entries), ``qwen3`` (the tiny sizes as Qwen3, for DP
 attention: upstream's Llama is not written for it: its embedding and attention
 heads are split over the whole TP group, not the attention-TP group, so an idle
 DP rank skips a collective the busy one runs and prefill stops; Qwen3's are
-split over attention TP, as DP attention needs).
+split over attention TP, as DP attention needs), ``deepseek`` (DeepSeek V3's layout: MLA, one
+latent KV "head" of ``kv_lora_rank + qk_rope_head_dim`` per token in upstream's MLA KV pool, and a
+small MoE after one dense layer; upstream 0.5.23 runs it on CPU with no stand-in, issue #45).
 """
 
 from __future__ import annotations
@@ -46,9 +48,23 @@ CONFIG = dict(
 # pages), more than one Mooncake TCP call accepts (~2,050), at about the tiny model's cost per token.
 DEEP = dict(num_hidden_layers=1600, hidden_size=32, intermediate_size=64, num_attention_heads=2,
             num_key_value_heads=1)
+# MLA with a 48-float latent per token, 4 routed experts (2 per token) and a shared one. What upstream
+# reads beyond HF's config, as DeepSeek V3's own config.json carries it: `moe_layer_freq`
+# (deepseek_v2.py's `_is_layer_sparse`), and YaRN rope scaling, the only rope upstream's CPU path
+# builds for DeepSeek (rotary_embedding/factory.py `get_rope_cpu`), here at factor 1.
+DEEPSEEK = dict(num_key_value_heads=CONFIG["num_attention_heads"], kv_lora_rank=32, q_lora_rank=64,
+                qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, moe_intermediate_size=64,
+                n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True, moe_layer_freq=1,
+                topk_method="noaux_tc", scoring_func="sigmoid",
+                rope_scaling={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0,
+                              "original_max_position_embeddings": CONFIG["max_position_embeddings"],
+                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
 # variant: (architecture, its sizes over CONFIG); Qwen3 sets its head size apart from the hidden size
 VARIANTS = {"tiny": ("llama", {}), "deep": ("llama", DEEP),
-            "qwen3": ("qwen3", {"head_dim": CONFIG["hidden_size"] // CONFIG["num_attention_heads"]})}
+            "qwen3": ("qwen3", {"head_dim": CONFIG["hidden_size"] // CONFIG["num_attention_heads"]}),
+            "deepseek": ("deepseek_v3", DEEPSEEK)}
+ARCHITECTURES = {"llama": "Llama", "qwen3": "Qwen3", "deepseek_v3": "DeepseekV3"}  # transformers' class prefix
 SPECIAL = ["<unk>", "<s>", "</s>"]
 
 
@@ -92,7 +108,7 @@ def build(out: Path, variant: str = "tiny") -> None:
     torch.manual_seed(SEED)
     architecture, sizes = VARIANTS[variant]
     config = {**CONFIG, **sizes}
-    name = {"llama": "Llama", "qwen3": "Qwen3"}[architecture]
+    name = ARCHITECTURES[architecture]
     model_class = getattr(transformers, f"{name}ForCausalLM")
     model = model_class(getattr(transformers, f"{name}Config")(**config)).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)

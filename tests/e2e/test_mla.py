@@ -1,0 +1,54 @@
+"""MLA (issue #45): the tiny DeepSeek V3 (sandbox model ``deepseek``) on upstream and hardened 0.5.23
+Mooncake, 64-token pages on both roles.
+
+Upstream runs it on CPU as it is, no stand-in: its torch-native attention backend computes the MLA
+layers from upstream's MLA KV pool (one latent of kv_lora_rank + qk_rope_head_dim floats per
+token, one "KV head"), and Mooncake moves that pool's pages. The scenarios are test_oversized.py's.
+Full tier only (no claim: the gate shows each claim on the tiny Llama); each test's cost is in its
+docstring, measured 2026-12-06 on this 2-core host.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import sandbox_env
+from .scenarios import DEPTH, FITTING_C, RECIPE_PAGE, TIMEOUT_PARAMS
+from .test_oversized import (client_waits_for_decode, error_reaches_client_at_once, hardened_truncation,
+                             upstream_truncation)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
+
+BASE, BACKEND, MODEL = "0.5.23", "mooncake", "deepseek"
+# upstream logs an MLA pool's size as one "KV size" (an MHA pool's as "K size" and "V size")
+MLA_POOL = "KV Cache is allocated. dtype: torch.float32, #tokens: 4096, KV size"
+
+
+@pytest.mark.parametrize("hardened", [False, True], ids=["upstream", "hardened"])
+def test_mla_over_pool_prompt(start_cluster, hardened):
+    """The incident's prompt (600 tokens over a 256-token prefill pool) on MLA: upstream's client
+    waits out decode's 15 s timeout; hardened (H7 overridden) answers prefill's 400 at once, its
+    decode keeping one H8 tag slot per page (MLA's one KV head). A fitting prompt is served by
+    both. Cost: one cluster start each; upstream 66 s, hardened 53 s."""
+    cluster = start_cluster(sandbox_env(BASE, hardened=hardened), MODEL, backend=BACKEND, **TIMEOUT_PARAMS,
+                            page_size=RECIPE_PAGE, **(DEPTH if hardened else {}))
+    assert MLA_POOL in cluster.log_tail("decode", 10**4)
+    assert cluster.generate(FITTING_C).status == 200
+    if hardened:
+        error_reaches_client_at_once(cluster)
+        assert "pages x 1 KV heads" in cluster.log_tail("decode", 10**4)
+    else:
+        client_waits_for_decode(cluster)
+
+
+def test_mla_upstream_truncation_reads_other_tenants_kv(start_cluster, tmp_path):
+    """Unequal limits on MLA: decode reads latent KV no transfer wrote for the request behind a
+    200 (the answers move with the tenant before; in one page, the ledger's slots). Cost: one
+    cluster start; 34 s."""
+    upstream_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, model=MODEL)
+
+
+def test_mla_hardened_truncation_is_refused(start_cluster, tmp_path):
+    """H3 on MLA: the same prompts refused with a 500 naming H3, a fitting one served, no page
+    held after. Cost: one cluster start; 29 s."""
+    hardened_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, model=MODEL)
