@@ -15,7 +15,7 @@ from sglang_hardened.image.build import wheel_manifest
 from sglang_hardened.operations.oracle import Reply
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.sandbox import cluster as sbc
-from sglang_hardened.sandbox.env import SandboxEnv, bases, build_env, wheels_for, with_load_generator
+from sglang_hardened.sandbox.env import DEFAULT_PYTHON, SandboxEnv, bases, build_env, wheels_for, with_load_generator
 from sglang_hardened.sandbox.model import ensure_model
 from tests.harness import CLUSTER_START, SERVER_RESTART, SESSION, phase
 
@@ -25,22 +25,27 @@ OVERLAY = Path(__file__).parents[1] / "cpu_overlay"
 PORTS_USED: list[int] = []  # every port a cluster of this session held
 # (scenario, base, backend, build, status, seconds): upstream and hardened in the same run
 TIMINGS: list[tuple[str, str, str, str, int, float]] = []
-EnvKey = tuple[str, bool, tuple[str, ...], Path | None]
+EnvKey = tuple[str, bool, tuple[str, ...], Path | None, str]
 _ENVS: dict[EnvKey, Future[SandboxEnv]] = {}
 _ENVS_LOCK = threading.Lock()
 # The environments the e2e tests ask for, in about the order they first do: built beside the
 # unit and integration tests, which run first (tests/harness.py), so a cold cache's ten minutes of
 # downloads and installs overlap them. (base, hardened, the hardening ids left out.) One not listed
 # is built when a test asks for it, and the run's summary names it; one listed and never asked for
-# costs only background time, so the gate (`--tier gate`) warms only its own.
-PREWARM_GATE: list[tuple[str, bool, tuple[str, ...]]] = [
-    ("0.5.23", False, ()), ("0.5.23", True, ()), ("0.5.19", False, ()), ("0.5.19", True, ()),
-    ("0.5.19", True, ("H2", "H4")), ("0.5.19", True, ("H1", "H3")), ("0.5.23", True, ("H3", "H4")),
+# costs only background time, so the gate (`--tier gate`) warms only its own. (base, hardened, the
+# hardening ids left out, Python: test_probes_safe.py's cluster runs 3.12, as production does.)
+Warm = tuple[str, bool, tuple[str, ...], str]
+PY = DEFAULT_PYTHON
+PREWARM_GATE: list[Warm] = [
+    ("0.5.23", False, (), PY), ("0.5.23", True, (), PY), ("0.5.19", False, (), PY), ("0.5.19", True, (), PY),
+    ("0.5.19", True, ("H2", "H4"), PY), ("0.5.19", True, ("H1", "H3"), PY), ("0.5.23", True, ("H3", "H4"), PY),
+    ("0.5.23", True, (), "3.12"),
 ]
-PREWARM: list[tuple[str, bool, tuple[str, ...]]] = PREWARM_GATE + [
-    ("0.5.22", False, ()), ("0.5.22", True, ()), ("0.5.19", True, ("H1",)), ("0.5.20", True, ()),
-    ("0.5.19", True, ("H3", "H4")),
-] if not FULL_MATRIX else [(base, hardened, ()) for base in bases() for hardened in (False, True)]
+PREWARM: list[Warm] = PREWARM_GATE + [
+    ("0.5.22", False, (), PY), ("0.5.22", True, (), PY), ("0.5.19", True, ("H1",), PY), ("0.5.20", True, (), PY),
+    ("0.5.19", True, ("H3", "H4"), PY),
+] if not FULL_MATRIX else [*((base, hardened, (), PY) for base in bases() for hardened in (False, True)),
+                           ("0.5.23", True, (), "3.12")]
 ON_DEMAND: list[str] = []  # environments a test waited for that the prewarm list does not name
 # The patch tree every hardened environment is built from, read once before any test runs: the
 # prewarm thread builds while unit tests run in the same process, and one of those points the
@@ -49,17 +54,18 @@ SESSION_PATCHES = patches_dir()
 _STOP_PREWARM = threading.Event()
 
 
-def _flavour(hardened: bool, without: tuple[str, ...]) -> str:
-    return "hardened" + "".join(f" -{h}" for h in without) if hardened else "upstream"
+def _flavour(hardened: bool, without: tuple[str, ...], python: str) -> str:
+    build = "hardened" + "".join(f" -{h}" for h in without) if hardened else "upstream"
+    return build if python == DEFAULT_PYTHON else f"{build} python{python}"
 
 
 def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = (),
-                patches: Path | None = None) -> SandboxEnv:
-    """The environment for ``base``, upstream or hardened (built once per session);
-    ``without`` leaves those hardening ids' patches out of the hardened build,
+                patches: Path | None = None, python: str = DEFAULT_PYTHON) -> SandboxEnv:
+    """The environment for ``base``, upstream or hardened, under ``python`` (built once per
+    session); ``without`` leaves those hardening ids' patches out of the hardened build,
     ``patches`` builds from another patch tree (a rebased one). One the prewarm thread is
     building is waited for (a phase of its own: the building is timed where it happens)."""
-    key = (base, hardened, without, patches)
+    key = (base, hardened, without, patches, python)
     with _ENVS_LOCK:
         future, owner = _ENVS.get(key), key not in _ENVS
         if owner:
@@ -72,24 +78,25 @@ def sandbox_env(base: str, hardened: bool = False, without: tuple[str, ...] = ()
             if threading.current_thread() is not threading.main_thread():
                 with _ENVS_LOCK:  # the test that asks builds it again, and fails with its own error
                     _ENVS.pop(key, None)
-        if threading.current_thread() is threading.main_thread() and (base, hardened, without) not in _WARMING:
-            ON_DEMAND.append(f"{base} {_flavour(hardened, without)}" + (" (another patch tree)" if patches else ""))
+        if threading.current_thread() is threading.main_thread() and (base, hardened, without, python) not in _WARMING:
+            ON_DEMAND.append(f"{base} {_flavour(hardened, without, python)}"
+                             + (" (another patch tree)" if patches else ""))
     elif not future.done():
-        with phase(f"prewarm wait {base} {_flavour(hardened, without)}"):
+        with phase(f"prewarm wait {base} {_flavour(hardened, without, python)}"):
             future.exception()
         if future.exception() is not None and _ENVS.get(key) is not future:
-            return sandbox_env(base, hardened, without, patches)  # the prewarm's build failed: once more here
+            return sandbox_env(*key)  # the prewarm's build failed: once more here
     return future.result()
 
 
-def _build(base: str, hardened: bool, without: tuple[str, ...], patches: Path | None) -> SandboxEnv:
-    flavour = _flavour(hardened, without)
+def _build(base: str, hardened: bool, without: tuple[str, ...], patches: Path | None, python: str) -> SandboxEnv:
+    flavour = _flavour(hardened, without, python)
     with phase(f"wheels {base} {flavour}"):
-        wheels = wheels_for(base, hardened, without, patches or SESSION_PATCHES)
+        wheels = wheels_for(base, hardened, without, patches or SESSION_PATCHES, python)
         if hardened:
             _check_built_from(wheels[0], patches or SESSION_PATCHES, base, without)
     with phase(f"env {base} {flavour}"):
-        env = build_env(base, wheels, OVERLAY)
+        env = build_env(base, wheels, OVERLAY, python)
     with phase(f"model {base}"):
         ensure_model(env)
     return env
@@ -106,16 +113,16 @@ def _check_built_from(wheel: Path, tree: Path, base: str, without: tuple[str, ..
                              f"(missing: {sorted(set(expected) - set(got))})")
 
 
-_WARMING: list[tuple[str, bool, tuple[str, ...]]] = []  # the list this run's prewarm thread builds
+_WARMING: list[Warm] = []  # the list this run's prewarm thread builds
 _PREWARM_THREADS: list[threading.Thread] = []
 
 
 def _prewarm(load_generator: bool) -> None:
-    for base, hardened, without in _WARMING:
+    for base, hardened, without, python in _WARMING:
         if _STOP_PREWARM.is_set():
             return
         try:
-            sandbox_env(base, hardened, without)
+            sandbox_env(base, hardened, without, python=python)
         except BaseException:  # noqa: BLE001 - the test that asks for it gets the error
             pass
     if not load_generator:
@@ -196,15 +203,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # Clusters shared across modules: at most this many are kept (idle ones sleep, but each holds
 # about 1.5 GiB); the least recently used is stopped first, and started again if asked for again.
 SHARED_KEPT = 3
-_SHARED: dict[tuple[bool, sbc.ClusterParams], sbc.Cluster] = {}
+_SHARED: dict[tuple[bool, str, sbc.ClusterParams], sbc.Cluster] = {}
 
 
-def shared(base: str, hardened: bool = False, **params) -> sbc.Cluster:
-    """The running cluster of this build and these parameters, started at the first ask: for
-    tests that leave it as they found it (no fault injected, no server killed, pages back to
-    idle), in any module. A start is about 20 s of CI's budget; sharing one is free."""
-    key = (hardened, sbc.ClusterParams(base=base, **params))  # defaults spelled out or not, one cluster
-    cluster = _SHARED.pop(key, None) or launch(sandbox_env(base, hardened), **params)
+def shared(base: str, hardened: bool = False, python: str = DEFAULT_PYTHON, **params) -> sbc.Cluster:
+    """The running cluster of this build, under this Python, with these parameters, started at
+    the first ask: for tests that leave it as they found it (no fault injected, no server killed,
+    pages back to idle), in any module. A start is about 20 s of CI's budget; sharing one is free."""
+    key = (hardened, python, sbc.ClusterParams(base=base, **params))  # defaults spelled out or not, one cluster
+    cluster = _SHARED.pop(key, None) or launch(sandbox_env(base, hardened, python=python), **params)
     _SHARED[key] = cluster  # now the most recently used
     while len(_SHARED) > SHARED_KEPT:
         _SHARED.pop(next(iter(_SHARED))).stop()
@@ -236,6 +243,6 @@ def share(request) -> Callable[..., sbc.Cluster]:
 @pytest.fixture
 def shared_cluster(request, share) -> sbc.Cluster:
     """The module's cluster, shared with any other module that asks for the same: the module
-    sets CLUSTER = (base, hardened, params)."""
+    sets CLUSTER = (base, hardened, params); ``python="3.12"`` among the params runs it there."""
     base, hardened, params = request.module.CLUSTER
     return share(base, hardened, **params)

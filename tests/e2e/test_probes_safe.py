@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from sglang_hardened.common.pythons import runs_on
 from sglang_hardened.operations.canary import Plan, run_canary
 from sglang_hardened.operations.oracle import generate
 from sglang_hardened.operations.preflight import preflight
@@ -23,7 +24,7 @@ from .scenarios import (ATTACKER, ATTACKER_RIDS, DEAD_PORT, FITTING_C, RANK0, at
 
 pytestmark = pytest.mark.e2e
 CLUSTER = ("0.5.23", True, dict(prefill_pool_tokens=2048, decode_pool_tokens=4096, context_length=1024, lb="hardened",
-                                via_launch=True))
+                                via_launch=True, python="3.12"))  # production's Python: the official image's
 
 
 @pytest.mark.claim("H0", "hardened")
@@ -35,6 +36,14 @@ def test_preflight_passes_a_safe_deployment(shared_cluster):
     assert all(n.get("disaggregation_enable_kv_checksum") is True for n in report.nodes)
     assert all(n.hardening["hardened"] and "H7" in n.hardening["hardening_ids"] for n in report.nodes)
     assert report.nodes[0].bootstrap_limit == report.nodes[0].get("max_req_input_len")  # read from /hardened/limits
+
+
+@pytest.mark.gate
+def test_the_servers_run_the_wheel_built_for_production_python(shared_cluster):
+    """The gate's one cluster on Python 3.12, the official image's (the others run 3.11): each
+    server runs upstream's cp312 wheel hardened, and says so."""
+    report = preflight([shared_cluster.prefill_url], [shared_cluster.decode_url])
+    assert [n.hardening.get("runs_on") for n in report.nodes] == [runs_on(CLUSTER[2]["python"])] * 2
 
 
 def test_canary_passes_a_safe_deployment(shared_cluster):
