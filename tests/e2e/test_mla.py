@@ -1,9 +1,9 @@
 """MLA (issue #45): the tiny DeepSeek V3 (sandbox model ``deepseek``) on upstream and hardened 0.5.23
-Mooncake, 64-token pages on both roles.
+over Mooncake (the truncation over NIXL too), 64-token pages on both roles.
 
 Upstream runs it on CPU as it is, no stand-in: its torch-native attention backend computes the MLA
 layers from upstream's MLA KV pool (one latent of kv_lora_rank + qk_rope_head_dim floats per
-token, one "KV head"), and Mooncake moves that pool's pages. The scenarios are test_oversized.py's.
+token, one "KV head"), and the transfer engines move that pool's pages. The scenarios are test_oversized.py's.
 Full tier only (no claim: the gate shows each claim on the tiny Llama); each test's cost is in its
 docstring, measured 2026-12-06 on this 2-core host.
 """
@@ -41,14 +41,16 @@ def test_mla_over_pool_prompt(start_cluster, hardened):
         client_waits_for_decode(cluster)
 
 
-def test_mla_upstream_truncation_reads_other_tenants_kv(start_cluster, tmp_path):
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_mla_upstream_truncation_reads_other_tenants_kv(start_cluster, tmp_path, backend):
     """Unequal limits on MLA: decode reads latent KV no transfer wrote for the request behind a
     200 (the answers move with the tenant before; in one page, the ledger's slots). Cost: one
-    cluster start; 34 s."""
-    upstream_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, model=MODEL)
+    cluster start; Mooncake 34 s, NIXL 46 s."""
+    upstream_truncation(start_cluster, BASE, backend, tmp_path, RECIPE_PAGE, model=MODEL)
 
 
-def test_mla_hardened_truncation_is_refused(start_cluster, tmp_path):
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_mla_hardened_truncation_is_refused(start_cluster, tmp_path, backend):
     """H3 on MLA: the same prompts refused with a 500 naming H3, a fitting one served, no page
-    held after. Cost: one cluster start; 29 s."""
-    hardened_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, model=MODEL)
+    held after. Cost: one cluster start; Mooncake 29 s, NIXL 64 s."""
+    hardened_truncation(start_cluster, BASE, backend, tmp_path, RECIPE_PAGE, model=MODEL)

@@ -1,5 +1,5 @@
-"""Page size 64 on both roles (issue #45: the recipe's default), upstream against hardened 0.5.23
-Mooncake: the truncation, the over-pool prompt, and prompts across page ends.
+"""Page size 64 on both roles (issue #45: the recipe's default), upstream against hardened 0.5.23:
+the truncation (Mooncake and NIXL), the over-pool prompt (Mooncake), and prompts across page ends.
 
 The scenarios are test_oversized.py's and test_page_tags.py's, run with 64-token pages (0.5.19's
 paged allocator has no CPU path for pages over one token, so 0.5.23 only). Beside them run
@@ -25,6 +25,7 @@ from .test_page_tags import REFUSED, h8_truncation
 pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 BASE, BACKEND = "0.5.23", "mooncake"
+BACKENDS = ["mooncake", "nixl"]  # the truncations: both transports' page writes (and H8's tag writes)
 PROBES = {"last_page": LAST_PAGE, **PAGE_ENDS}
 PREFILL_END = -(-TRUNC_PREFILL_TOKENS // RECIPE_PAGE) * RECIPE_PAGE  # 512: where prefill's last page ends
 
@@ -39,13 +40,14 @@ def served_from_its_own_kv(verdicts, ledger_dir=None) -> None:
             assert unowned_reads(ledger_dir, int(name.removeprefix("ends_"))) == [[]] * 4, name
 
 
-def test_upstream_page64_reads_other_tenants_kv_in_the_partial_last_page(start_cluster, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_upstream_page64_reads_other_tenants_kv_in_the_partial_last_page(start_cluster, tmp_path, backend):
     """Upstream with unequal limits: decode holds LAST_PAGE as 530 tokens, prefill sent 506, and
     decode attends to positions 506-529 behind a 200: the rest of prefill's last page (slots
     prefill held for no position of the request) and all 18 positions of decode's partly filled
     page 8, which no transfer wrote for it and another request's write wrote last (the ledger).
-    Cost: one cluster start; 45 s."""
-    v = upstream_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, PROBES)
+    Cost: one cluster start; Mooncake 45 s, NIXL 28 s."""
+    v = upstream_truncation(start_cluster, BASE, backend, tmp_path, RECIPE_PAGE, PROBES)
     ledger = Ledger(tmp_path)
     last_page = unowned_reads(tmp_path, LAST_PAGE_TOKENS)
     assert len(last_page) == 4, last_page
@@ -59,23 +61,26 @@ def test_upstream_page64_reads_other_tenants_kv_in_the_partial_last_page(start_c
     served_from_its_own_kv(v, tmp_path)
 
 
-def test_hardened_page64_refuses_the_partial_last_page(start_cluster, tmp_path):
-    """H3 with 64-token pages: the sender fails the transfer that leaves decode's page 8 unwritten
-    ("expects 9 pages but prefill sends 8") and the client gets a 500 naming H3; in one page
-    (509 tokens) decode's own check refuses; the page-end prompts are served from their own KV.
-    Cost: one cluster start; 50 s."""
-    v = hardened_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, PROBES)
-    assert all(r.status == 500 and "expects 9 pages but prefill sends 8" in r.body
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hardened_page64_refuses_the_partial_last_page(start_cluster, tmp_path, backend):
+    """H3 with 64-token pages: the client gets a 500 naming H3 for the prompt whose page 8 no
+    transfer writes (Mooncake's sender fails it: "expects 9 pages but prefill sends 8"; over NIXL
+    decode's own check); in one page (509 tokens) decode's own check refuses; the page-end prompts
+    are served from their own KV. Cost: one cluster start; Mooncake 50 s, NIXL 28 s."""
+    v = hardened_truncation(start_cluster, BASE, backend, tmp_path, RECIPE_PAGE, PROBES)
+    sender = "expects 9 pages but prefill sends 8" if backend == "mooncake" else ""
+    assert all(r.status == 500 and "sglang-hardened H3" in r.body and sender in r.body
                for r in replies(v["last_page"])), v["last_page"].replies
     served_from_its_own_kv(v, tmp_path)
 
 
-def test_h8_page64_refuses_the_unwritten_partial_last_page(start_cluster):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_h8_page64_refuses_the_unwritten_partial_last_page(start_cluster, backend):
     """H8 without H3 and H4, 64-token pages: page 8 of LAST_PAGE carries no tag of the request's,
     so decode refuses it with nothing decoded, as it refuses the pages a longer truncation leaves;
     the page-end prompts' tags travel with their KV and they are served. Cost: one cluster start;
-    100 s (its start beside another cluster's)."""
-    v = h8_truncation(start_cluster, BASE, BACKEND, RECIPE_PAGE, PROBES)
+    Mooncake 100 s (its start beside another cluster's), NIXL 46 s."""
+    v = h8_truncation(start_cluster, BASE, backend, RECIPE_PAGE, PROBES)
     assert all(r.status == 500 and REFUSED in r.body for r in replies(v["last_page"])), v["last_page"].replies
     assert shows_nothing_decoded(v["last_page"]), v["last_page"].replies
     served_from_its_own_kv(v)
