@@ -12,6 +12,8 @@ to it. ``sglang-hardened verify`` fails a patch over the budget, naming the line
 from __future__ import annotations
 
 import difflib
+import re
+from collections.abc import Iterable
 
 from . import unidiff
 
@@ -51,3 +53,29 @@ def over_budget(origin: str, diff: str) -> dict[str, list[str]]:
     if not origin.startswith("vendor"):
         return {}
     return {path: lines for path, lines in glue_lines(diff).items() if len(lines) > GLUE_LINES_MAX}
+
+
+_IMPORT = re.compile(r"from sglang_hardened\.runtime import (\w+) as (hardened_\w+)")
+_CALL = re.compile(r"\b(hardened_\w+)\.(\w+)")
+
+
+def runtime_seams(patches: Iterable[tuple[str, str]]) -> dict[str, set[str]]:
+    """Every runtime function a series' patches call, as ``module.function`` with the hardening
+    ids of the patches that call it, from ``(hardening id, diff)`` pairs in series order.
+
+    The one list of seams: runtime/seam_cost.py times exactly these. An alias names a module
+    per upstream file (``hardened_tags`` is page_tags_seams in one, page_tags_nixl in another),
+    and a patch may call through an alias an earlier patch imported into the same file.
+    """
+    aliases: dict[tuple[str, str], str] = {}  # (upstream file, alias) -> runtime module
+    calls: list[tuple[str, str, str, str]] = []  # (id, upstream file, alias, function)
+    for hardening_id, diff in patches:
+        for fp in unidiff.parse(diff):
+            for line in (line for hunk in fp.hunks for run in added_runs(hunk) for line in run):
+                for module, alias in _IMPORT.findall(line):
+                    aliases[fp.target, alias] = module
+                calls += [(hardening_id, fp.target, alias, fn) for alias, fn in _CALL.findall(line)]
+    found: dict[str, set[str]] = {}
+    for hardening_id, target, alias, fn in calls:
+        found.setdefault(f"{aliases[target, alias]}.{fn}", set()).add(hardening_id)
+    return found
