@@ -48,7 +48,7 @@ from pathlib import Path
 
 from abort_storm import METRICS as STORM_METRICS  # benchmarks/ is on sys.path when run as a script
 from abort_storm import storms
-from cli_args import ints
+from cli_args import ints, serving_options
 
 from sglang_hardened.common.table import format_table
 from sglang_hardened.runtime.page_tags_switch import TAGS_ENV
@@ -249,16 +249,11 @@ def main(argv: list[str] | None = None) -> None:
                                      epilog="example: python benchmarks/bench_serving_ab.py --base 0.5.23 --pairs 10 "
                                             "--concurrency 1,4,16 --json ab.json --plot ab.png",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default="0.5.23")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
     parser.add_argument("--pairs", type=int, default=10, help="runs of every arm (default 10)")
     parser.add_argument("--concurrency", default="1,4,16", help="--max-concurrency settings")
     parser.add_argument("--prompts", default="16,32,64", help="prompts per run, one per concurrency setting")
-    parser.add_argument("--warmup", type=int, default=8, help="prompts run and discarded on each fresh cluster")
-    parser.add_argument("--input-len", type=int, default=900)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--range-ratio", type=float, default=0.07)
-    parser.add_argument("--seed", type=int, default=1)
+    serving_options(parser)
     parser.add_argument("--pin", default="", help="SERVER_CORES:GENERATOR_CORES, e.g. 0-13:14-15: both servers' "
                         "threads and the load generator (the balancer is not pinned; default: nothing pinned)")
     parser.add_argument("--abort-shares", type=ints, default=[], metavar="PERCENT,...",
