@@ -72,11 +72,16 @@ def pick_engine() -> str:
     raise HardenedError("no image engine: start a Docker daemon or install buildah")
 
 
-def build_command(engine: str, context: Path, tag: str, args: dict[str, str]) -> list[str]:
-    """The engine's build command. buildah writes Docker format: OCI drops HEALTHCHECK."""
+# The OCI platform of each machine upstream ships wheels for (Python's name -> the engines').
+PLATFORMS = {"x86_64": "linux/amd64", "aarch64": "linux/arm64"}
+
+
+def build_command(engine: str, context: Path, tag: str, args: dict[str, str], platform: str) -> list[str]:
+    """The engine's build command, for the base's ``platform`` (an arm64 base on an x86_64 host
+    builds under emulation). buildah writes Docker format: OCI drops HEALTHCHECK."""
     flags = [f"--build-arg={key}={value}" for key, value in sorted(args.items())]
     tool = ["docker", "build"] if engine == "docker" else ["buildah", "bud", "--format", "docker"]
-    return [*tool, "--quiet", "-f", str(DOCKERFILE), "-t", tag, *flags, str(context)]
+    return [*tool, "--quiet", "--platform", platform, "-f", str(DOCKERFILE), "-t", tag, *flags, str(context)]
 
 
 def tool_wheel_is_current(wheel: Path) -> bool:
@@ -175,8 +180,9 @@ def build_image(base: str, out_dir: Path, *, engine: str | None = None,
     tag = tag or default_tag(manifest["version"])
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".image-") as context:
         _stage((wheel, tool), Path(context))
-        progress(f"{base}: building {tag} with {engine}")
-        run = subprocess.run(build_command(engine, Path(context), tag, args), env=_buildah_env(),
+        platform = PLATFORMS[runs_on.split()[1]]
+        progress(f"{base}: building {tag} for {platform} with {engine}")
+        run = subprocess.run(build_command(engine, Path(context), tag, args, platform), env=_buildah_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if run.returncode != 0:
         raise HardenedError(f"{engine} build of {tag} failed (exit {run.returncode}):\n{run.stdout[-3000:]}")
