@@ -44,6 +44,10 @@ H12 = "0031-h12-refuse-sampling-params-that-do-not-build.patch"
 H13 = "0032-h13-end-transfer-whose-metadata-never-lands.patch"
 # H5 across ranks (0.5.19-0.5.22): decode's failure hold and release loop, as each release shapes them.
 H5A = "0033-h5-hold-and-release-together-across-ranks.patch"
+# H14 and H15 (2026-12-06): each base's copy made by hand from its own upstream file; their imports
+# sit where releases keep adding imports, H15's matches beside abort paths each release rewrote.
+H14 = "0040-h14-authenticate-bootstrap-registrations.patch"
+H15 = "0041-h15-abort-only-the-named-request.patch"
 
 
 # Why each verdict is the fact: 0.5.20 moved the seam's lines (offset only);
@@ -88,7 +92,8 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, tar
         H0: verdict, H7: OFFSET, H7B: MERGED, H1: h1, H2: h2, H3: MERGED, H4: MERGED, H5: h5,
         H5G: h5g, H5S: CONFLICT, H6B: UPSTREAM, H6: MERGED if target == "0.5.23" else OFFSET,
         H6P: UPSTREAM if target == "0.5.23" else OFFSET,
-        H5D: CONFLICT, H11: h11, H12: h12, H13: h13, H5A: CONFLICT}
+        H5D: CONFLICT, H11: h11, H12: h12, H13: h13, H5A: CONFLICT,
+        H14: OFFSET if target == "0.5.20" else CONFLICT, H15: CONFLICT}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -109,7 +114,7 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     rest carries, adds what 0.5.21's own series adds, verifies and builds."""
     shutil.rmtree(tree_copy / "0.5.21")
     drop_ids("0.5.20", "H8")
-    drop_patches("0.5.20", H5D, H5R, H5A)  # per-base variants (above), and what builds on them
+    drop_patches("0.5.20", H5D, H5R, H5A, H14, H15)  # per-base variants (above), and what builds on them
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
@@ -121,7 +126,8 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     assert not (written / H1).exists() and not (written / H5).exists()
     carried = load_series(tree_copy, "0.5.21")
     assert [p.name for p in carried.patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P, H11, H12, H13]
-    hand_made = [p for p in load_series(patches, "0.5.21").patches if p.name not in (H8, H8N, H5D, H5R, H5A)]
+    hand_made = [p for p in load_series(patches, "0.5.21").patches
+                 if p.name not in (H8, H8N, H5D, H5R, H5A, H14, H15)]
     assert [added_lines(p.diff) for p in carried.patches] == [added_lines(p.diff) for p in hand_made]
     assert load_lock(tree_copy)["0.5.21"] == result.pin
     assert all(row.ok for row in verify_base(tree_copy, "0.5.21"))
@@ -154,13 +160,13 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert (tree_copy / "upstream.lock").read_text() == lock_before
     rejected = sorted(rejects.iterdir())
     assert {r.name.split(".", 1)[0] for r in rejected} == {
-        p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S, H5D, H12, H5A)}
+        p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S, H5D, H12, H5A, H14, H15)}
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 
 def test_existing_series_is_not_overwritten_without_force(run_cli, tree_copy, drop_ids, drop_patches):
     drop_ids("0.5.20", "H8")  # a clean rebase: see test_backport_upstream_already_has_is_dropped_and_recorded
-    drop_patches("0.5.20", H5D, H5R, H5A)
+    drop_patches("0.5.20", H5D, H5R, H5A, H14, H15)
     before = (tree_copy / "0.5.21" / H0).read_text()
     done = run_cli("rebase", "--from", "0.5.20", "--to", "0.5.21")
     assert done.returncode == 1 and "pass --force" in done.stderr
