@@ -156,6 +156,7 @@ class Report:
         self.timer = calibrate()
         self._main_clock = time.pthread_getcpuclockid(threading.main_thread().ident or 0)
         self._failed = False
+        self._lock = threading.Lock()  # the writer thread and a last write at exit share one staging file
         threading.Thread(target=self._run, name="sglang-hardened-seam-cost", daemon=True).start()
 
     def snapshot(self) -> dict[str, Any]:
@@ -175,8 +176,9 @@ class Report:
         """Replace the file whole (a reader never sees half of one); a failure is logged once."""
         staged = self.path.with_suffix(".tmp")
         try:
-            staged.write_text(json.dumps(self.snapshot()))
-            os.replace(staged, self.path)
+            with self._lock:
+                staged.write_text(json.dumps(self.snapshot()))
+                os.replace(staged, self.path)
         except OSError as e:
             if not self._failed:
                 log.warning("sglang-hardened: seam costs could not be written to %s: %s", self.path, e)
