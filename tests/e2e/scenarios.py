@@ -27,6 +27,7 @@ from sglang_hardened.operations.oracle import Reply, Verdict, differential_check
 from sglang_hardened.runtime.startup import OVERRIDE_ENV as H7_OVERRIDE
 from sglang_hardened.sandbox.cluster import BACKENDS, Cluster
 from sglang_hardened.sandbox.env import bases
+from sglang_hardened.sandbox.soak.faults import abort_request
 
 # Token counts are those of the sandbox tokenizer.
 TENANT_A = {"A1": "alpha tenant secret " * 60, "A2": "bravo decode value " * 60}  # 180 tokens: fits
@@ -294,14 +295,8 @@ def rid_prefix_attack(cluster: Cluster) -> Iterator[list[Future[Reply]]]:
         finally:
             for rid, victim in zip(rids, victims):
                 if not victim.done():
-                    abort(cluster.decode_url, rid)
+                    abort_request(cluster.decode_url, rid)
             wait(victims, 60)
-
-
-def abort(url: str, rid: str) -> None:
-    """``POST /abort_request`` naming ``rid`` (what a client's hang-up makes SGLang do)."""
-    urllib.request.urlopen(urllib.request.Request(f"{url}/abort_request", data=json.dumps({"rid": rid}).encode(),
-                                                  headers={"content-type": "application/json"}), timeout=10).read()
 
 
 def attacker_aborts(cluster: Cluster) -> set[str]:
