@@ -258,9 +258,11 @@ def reap(pid: int) -> None:
         pass
 
 
-def marked_pids(run_id: str | None = None) -> list[int]:
-    """Live pids whose environment carries the sandbox marker (for ``run_id``, or any)."""
+def marked_pids(run_id: str | None = None, within: str | None = None) -> list[int]:
+    """Live pids whose environment carries the sandbox marker (for ``run_id``, or any) and, if
+    given, the ``NAME=VALUE`` entry ``within`` (a test session's own, inherited by every child)."""
     needle = f"{MARKER}={run_id}".encode() if run_id else f"{MARKER}=".encode()
+    also = within.encode() if within else None
     found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -268,7 +270,8 @@ def marked_pids(run_id: str | None = None) -> list[int]:
         try:
             if (d / "stat").read_text().split(") ", 1)[1].startswith("Z"):
                 continue
-            if any(v.startswith(needle) for v in (d / "environ").read_bytes().split(b"\0")):
+            environ = (d / "environ").read_bytes().split(b"\0")
+            if any(v.startswith(needle) for v in environ) and (also is None or also in environ):
                 found.append(int(d.name))
         except (OSError, IndexError):
             continue
@@ -281,10 +284,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def leftovers(ports: list[int], run_id: str | None = None) -> list[str]:
-    """What the harness left behind: live marked processes (of ``run_id``, or any), and which of
-    ``ports`` someone holds."""
-    found = [f"process {pid}" for pid in marked_pids(run_id)]
+def leftovers(ports: list[int], run_id: str | None = None, within: str | None = None) -> list[str]:
+    """What the harness left behind: live marked processes (of ``run_id``, or any, or those
+    carrying ``within``: a run beside this one keeps its own), and which of ``ports`` someone holds."""
+    found = [f"process {pid}" for pid in marked_pids(run_id, within)]
     return found + [f"port {port}" for port in sorted(set(ports)) if port_in_use(port)]
 
 

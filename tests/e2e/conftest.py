@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,6 +25,9 @@ from .scenarios import FULL_MATRIX
 
 OVERLAY = Path(__file__).parents[1] / "cpu_overlay"
 PORTS_USED: list[int] = []  # every port a cluster of this session held
+# every child of this session inherits it: the leftovers check judges this run's processes only
+SESSION_MARK = f"SGLANG_HARDENED_TEST_SESSION={os.getpid()}-{time.time_ns()}"
+os.environ[SESSION_MARK.split("=")[0]] = SESSION_MARK.split("=")[1]
 # (scenario, base, backend, build, status, seconds): upstream and hardened in the same run
 TIMINGS: list[tuple[str, str, str, str, int, float]] = []
 EnvKey = tuple[str, bool, tuple[str, ...], Path | None, str]
@@ -195,7 +200,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if ON_DEMAND:
         terminalreporter.write_line(f"\nenvironments built when a test asked (not in conftest's prewarm list): "
                                     f"{', '.join(ON_DEMAND)}")
-    if PORTS_USED and (left := sbc.leftovers(PORTS_USED)):
+    if PORTS_USED and (left := sbc.leftovers(PORTS_USED, within=SESSION_MARK)):
         terminalreporter.write_line(f"LEFT BEHIND by the harness: {', '.join(left)}", red=True, bold=True)
         SESSION[0].exitstatus = pytest.ExitCode.TESTS_FAILED
 
