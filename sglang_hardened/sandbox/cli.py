@@ -36,7 +36,7 @@ def _load(name: str) -> Cluster | None:
 
 @click.group("sandbox")
 def sandbox() -> None:
-    """Run real SGLang prefill/decode + a load balancer (mini-lb, ours or smg) on CPU, on 127.0.0.1."""
+    """Run real SGLang prefills/decodes + a load balancer (mini-lb, ours or smg) on CPU, on 127.0.0.1."""
 
 
 @sandbox.command()
@@ -71,10 +71,17 @@ def sandbox() -> None:
               "(the model is then qwen3 unless --model says otherwise).")
 @click.option("--model", "model", type=click.Choice(sorted(VARIANTS)), default=None,
               help="Tiny model variant [default: tiny; qwen3 with --dp: upstream's Llama cannot run DP attention].")
+@click.option("--prefills", type=int, default=1, show_default=True,
+              help="Prefill servers, each its own process, ports and transfer engine.")
+@click.option("--decodes", type=int, default=1, show_default=True, help="Decode servers, likewise.")
+@click.option("--prefill-limit", "prefill_limits", type=int, multiple=True,
+              help="Each prefill's KV pool tokens, its context length at most that, in order (repeat once per "
+                   "prefill; default: --prefill-pool-tokens and --context-length).")
 def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, backend: str, lb: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
-       overlay: Path | None, instrument: bool, tp: int, decode_tp: int | None, dp: int, model: str | None) -> None:
+       overlay: Path | None, instrument: bool, tp: int, decode_tp: int | None, dp: int, model: str | None,
+       prefills: int, decodes: int, prefill_limits: tuple[int, ...]) -> None:
     """Build the environment if needed and start a cluster.
 
     \b
@@ -85,6 +92,8 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, ba
         --decode-pool-tokens 2600 --env SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=8
       sglang-hardened sandbox up --base 0.5.23 --hardened --tp 2 --decode-tp 1
       sglang-hardened sandbox up --base 0.5.23 --hardened --tp 2 --dp 2 --prefill-pool-tokens 2048
+      sglang-hardened sandbox up --base 0.5.23 --hardened --prefills 2 --decodes 2 --lb smg
+      sglang-hardened sandbox up --base 0.5.23 --hardened --prefills 2 --prefill-limit 600 --prefill-limit 1024
     """
     try:
         old = _load(name)
@@ -95,7 +104,8 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, ba
                                decode_context_length=decode_context_length,
                                page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                                waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env,
-                               lb=lb, via_launch=via_launch, instrument=instrument, tp=tp, decode_tp=decode_tp, dp=dp)
+                               lb=lb, via_launch=via_launch, instrument=instrument, tp=tp, decode_tp=decode_tp, dp=dp,
+                               prefills=prefills, decodes=decodes, prefill_limits=prefill_limits)
         params.validate()
         if via_launch and (upstream or wheel):
             raise SandboxError("--via-launch needs --hardened: `launch` comes with the hardened build's tool wheel")
@@ -130,7 +140,7 @@ def down(name: str) -> None:
 @click.option("--name", default="default", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="URLs and parameters as JSON.")
 def status(name: str, as_json: bool) -> None:
-    """Say whether the sandbox runs, with its URLs and parameters.
+    """Say whether the sandbox runs, with every server's URL and the parameters.
 
     \b
     Example:

@@ -1,5 +1,6 @@
-"""A real SGLang PD cluster on 127.0.0.1: prefill, decode and a load balancer
-(sglang-router's mini-lb, or this distribution's ``sglang-hardened lb``).
+"""A real SGLang PD cluster on 127.0.0.1: one or more prefills and decodes (``servers.py``
+names them) and a load balancer in front of all of them (sglang-router's mini-lb, smg, or this
+distribution's ``sglang-hardened lb``).
 
 Every child runs in its own process group and carries a marker variable, so
 teardown kills it and anything it spawned by pid even when a test fails or
@@ -30,6 +31,7 @@ from ..operations.deploy_wiring import SMG_KEYS_FLAG
 from ..operations.oracle import Reply, generate
 from ..runtime.bootstrap_auth import TOKEN_ENV
 from .env import SandboxEnv, SandboxError
+from .servers import ServerSpec, lb_server_args, role_of, server_names, server_specs
 
 if TYPE_CHECKING:  # instruments read the checkout's overlay: only a cluster that asks for them needs it
     from .instruments import Instruments
@@ -82,6 +84,18 @@ class ClusterParams:
     tp: int = 1  # tensor-parallel ranks of prefill (and of decode unless decode_tp says otherwise)
     decode_tp: int | None = None  # decode's own TP size: a mismatched-TP deployment
     dp: int = 1  # data-parallel attention groups on both roles (--enable-dp-attention), inside the TP ranks
+    prefills: int = 1  # prefill servers, each its own process, ports and transfer engine
+    decodes: int = 1  # decode servers, likewise
+    # each prefill's KV pool tokens, its context length at most that (empty: prefill_pool_tokens for every one)
+    prefill_limits: tuple[int, ...] = ()
+
+    def count(self, role: str) -> int:
+        """How many servers of ``role`` the cluster runs."""
+        return self.prefills if role == "prefill" else self.decodes
+
+    def specs(self) -> list[ServerSpec]:
+        """Every server to start, prefills first."""
+        return server_specs(self)
 
     def role_tp(self, role: str) -> int:
         return self.decode_tp if role == "decode" and self.decode_tp is not None else self.tp
@@ -95,6 +109,12 @@ class ClusterParams:
             raise SandboxError(f"unknown backend {self.backend!r}: choose {', '.join(BACKENDS)}")
         if self.lb not in LBS:
             raise SandboxError(f"unknown lb {self.lb!r}: choose {', '.join(LBS)}")
+        if self.prefills < 1 or self.decodes < 1:
+            raise SandboxError(f"a cluster needs at least one server per role, not {self.prefills} prefills "
+                               f"and {self.decodes} decodes")
+        if self.prefill_limits and (len(self.prefill_limits) != self.prefills or min(self.prefill_limits) < 1):
+            raise SandboxError(f"prefill limits {list(self.prefill_limits)} must be one positive pool size per "
+                               f"prefill ({self.prefills})")
         if self.dp < 1:
             raise SandboxError(f"the DP size must be at least 1, not {self.dp}")
         for role in ("prefill", "decode"):
@@ -123,9 +143,9 @@ class Cluster:
     run_id: str
     run_dir: Path
     procs: dict[str, Proc] = field(default_factory=dict)
-    bootstrap_port: int = 0
+    bootstrap_ports: dict[str, int] = field(default_factory=dict)  # prefill name -> its bootstrap port
     startup_s: float = 0.0
-    envs: dict[str, SandboxEnv] = field(default_factory=dict)  # each server's build: what a restart runs
+    envs: dict[str, SandboxEnv] = field(default_factory=dict)  # each server's build, by name: what a restart runs
     # both roles' H14/H4 secret, as the recipe's Secret gives it (extra_env may override it)
     bootstrap_token: str = ""
 
@@ -136,6 +156,15 @@ class Cluster:
         from .instruments import Instruments
 
         return Instruments(self.run_dir / "instruments")
+
+    @property
+    def bootstrap_port(self) -> int:
+        """The first prefill's bootstrap port."""
+        return self.bootstrap_ports["prefill"]
+
+    def servers(self, role: str) -> list[str]:
+        """That role's server names, in order."""
+        return server_names(role, self.params.count(role))
 
     @property
     def lb_url(self) -> str:
@@ -153,11 +182,11 @@ class Cluster:
         return generate(self.lb_url, text, max_new_tokens, timeout)
 
     def used_tokens(self) -> dict[str, int]:
-        """KV tokens each server holds now (``/v1/loads``): the page accounting tests compare."""
+        """KV tokens each server holds now (``/v1/loads``), by name: the page accounting tests compare."""
         used = {}
-        for role in ("prefill", "decode"):
-            with urllib.request.urlopen(f"{self.procs[role].url}/v1/loads", timeout=30) as reply:
-                used[role] = sum(load["num_used_tokens"] for load in json.load(reply)["loads"])
+        for name in (*self.servers("prefill"), *self.servers("decode")):
+            with urllib.request.urlopen(f"{self.procs[name].url}/v1/loads", timeout=30) as reply:
+                used[name] = sum(load["num_used_tokens"] for load in json.load(reply)["loads"])
         return used
 
     def add_lb(self, kind: str, env: SandboxEnv, deadline_s: float = 120.0) -> str:
@@ -182,17 +211,20 @@ class Cluster:
 
     def to_json(self) -> dict:
         return {"run_id": self.run_id, "run_dir": str(self.run_dir), "params": asdict(self.params),
-                "bootstrap_port": self.bootstrap_port, "startup_s": round(self.startup_s, 1), "procs": {n: asdict(p) for n, p in self.procs.items()},
+                "servers": {role: self.servers(role) for role in ("prefill", "decode")},
+                "bootstrap_port": self.bootstrap_port, "bootstrap_ports": self.bootstrap_ports,
+                "startup_s": round(self.startup_s, 1), "procs": {n: asdict(p) for n, p in self.procs.items()},
                 "envs": {n: {"base": e.base, "python": str(e.python), "path": list(map(str, e.path))} for n, e in self.envs.items()},
                 "urls": {n: p.url for n, p in self.procs.items()}, "bootstrap_token": self.bootstrap_token}
 
     @classmethod
     def from_json(cls, data: dict) -> Cluster:
-        params = ClusterParams(**{**data["params"], "extra_flags": tuple(data["params"]["extra_flags"]),
-                                  "extra_env": tuple(data["params"]["extra_env"])})
+        params = ClusterParams(**{**data["params"], **{k: tuple(data["params"].get(k, ()))
+                                                       for k in ("extra_flags", "extra_env", "prefill_limits")}})
         envs = {n: SandboxEnv(e["base"], Path(e["python"]), tuple(map(Path, e["path"]))) for n, e in data.get("envs", {}).items()}
         return cls(params, data["run_id"], Path(data["run_dir"]),
-                   {n: Proc(**p) for n, p in data["procs"].items()}, data["bootstrap_port"], data["startup_s"], envs,
+                   {n: Proc(**p) for n, p in data["procs"].items()},
+                   data.get("bootstrap_ports", {"prefill": data["bootstrap_port"]}), data["startup_s"], envs,
                    data.get("bootstrap_token", ""))
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -221,17 +253,17 @@ class Cluster:
         proc = self.procs[name]
         signal_group(proc.pid, signal.SIGKILL)
         reap(proc.pid)
-        ports = [proc.port] + ([self.bootstrap_port] if name == "prefill" else [])
+        ports = [proc.port] + ([self.bootstrap_ports[name]] if name in self.bootstrap_ports else [])
         deadline = time.monotonic() + 30
         while any(port_in_use(p) for p in ports) and time.monotonic() < deadline:
             time.sleep(0.2)
-        pid, log = spawn(name, proc.cmd, child_env(env, self.params, self.run_id, self.instruments, name,
+        pid, log = spawn(name, proc.cmd, child_env(env, self.params, self.run_id, self.instruments, role_of(name),
                                                    self.bootstrap_token), self.run_dir, append=True)
         self.procs[name] = Proc(name, pid, log, proc.url, proc.port, proc.cmd)
         wait_ready(self, [name], time.monotonic() + deadline_s, healthy)
 
     def held_ports(self) -> list[int]:
-        ports = [p.port for p in self.procs.values()] + [self.bootstrap_port]
+        ports = [p.port for p in self.procs.values()] + list(self.bootstrap_ports.values())
         return [port for port in ports if port and port_in_use(port)]
 
 
@@ -316,19 +348,16 @@ def _ports(wanted: list[int]) -> list[int]:
     return chosen
 
 
-def _context_length(p: ClusterParams, role: str) -> int:
-    return p.decode_context_length if role == "decode" and p.decode_context_length else p.context_length
-
-
-def _server_cmd(env: SandboxEnv, p: ClusterParams, model: Path, role: str, port: int) -> list[str]:
+def _server_cmd(env: SandboxEnv, p: ClusterParams, model: Path, spec: ServerSpec, port: int) -> list[str]:
     # `launch` is the hardened build's tool wheel, installed beside it; it execs SGLang's own launcher
     launcher = ["sglang_hardened", "launch", "--"] if p.via_launch else ["sglang.launch_server"]
+    role = spec.role
     cmd = [str(env.python), "-m", *launcher, "--model-path", str(model),
            "--host", "127.0.0.1", "--port", str(port),
-           "--context-length", str(_context_length(p, role)), "--page-size", str(p.page_size),
+           "--context-length", str(spec.context_length), "--page-size", str(p.page_size),
            "--disaggregation-mode", role, "--disaggregation-transfer-backend", BACKENDS[p.backend],
            # without it the CPU pool is sized from host RAM and decode is killed for memory
-           "--max-total-tokens", str(p.prefill_pool_tokens if role == "prefill" else p.decode_pool_tokens),
+           "--max-total-tokens", str(spec.pool_tokens),
            *cpu_flags(p, role)]
     if p.chunked_prefill_size:
         cmd += ["--chunked-prefill-size", str(p.chunked_prefill_size)]
@@ -436,10 +465,11 @@ class NotAtRest(SandboxError):
 
 def start(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s: float = 300.0,
           prefill_env: SandboxEnv | None = None) -> Cluster:
-    """Start prefill, decode and mini-lb; return once a request through the lb succeeds.
+    """Start every prefill and decode and the load balancer; return once a request through the
+    lb succeeds.
 
-    ``prefill_env`` runs prefill from another build of the same base (a rolling upgrade's
-    mixed cluster: an unhardened prefill in front of a hardened decode); decode and the lb
+    ``prefill_env`` runs the prefills from another build of the same base (a rolling upgrade's
+    mixed cluster: an unhardened prefill in front of a hardened decode); decodes and the lb
     run from ``env``. On any failure everything started is killed and SandboxError carries
     the failing server's log tail. A lost race for a port picked here is retried once with
     fresh ports (a port the caller asked for is never swapped), and so is a start whose ready
@@ -467,26 +497,28 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
     run_id = uuid.uuid4().hex[:12]
     run_dir = cache_dir() / "runs" / run_id
     run_dir.mkdir(parents=True)
-    pp, bp, dp, lp = _ports([params.prefill_port, 0, params.decode_port, params.lb_port])
-    cluster = Cluster(params, run_id, run_dir, bootstrap_port=bp, envs=role_envs,
-                      bootstrap_token=secrets.token_hex(16))
+    specs = params.specs()
+    prefills = [s.name for s in specs if s.role == "prefill"]
+    *server_ports, lp = _ports([s.port for s in specs] + [0] * len(prefills) + [params.lb_port])
+    cluster = Cluster(params, run_id, run_dir, bootstrap_ports=dict(zip(prefills, server_ports[len(specs):])),
+                      envs={s.name: role_envs[s.role] for s in specs}, bootstrap_token=secrets.token_hex(16))
     if cluster.instruments:
         cluster.instruments.prepare()
     try:
-        for role, port in (("prefill", pp), ("decode", dp)):
-            cmd = _server_cmd(role_envs[role], params, model, role, port)
-            if role == "prefill":
-                cmd += ["--disaggregation-bootstrap-port", str(bp)]
-            pid, log = spawn(role, cmd, child_env(role_envs[role], params, run_id, cluster.instruments, role,
-                                                  cluster.bootstrap_token), run_dir)
-            cluster.procs[role] = Proc(role, pid, log, f"http://127.0.0.1:{port}", port, cmd)
+        for spec, port in zip(specs, server_ports):
+            cmd = _server_cmd(cluster.envs[spec.name], params, model, spec, port)
+            if spec.role == "prefill":
+                cmd += ["--disaggregation-bootstrap-port", str(cluster.bootstrap_ports[spec.name])]
+            pid, log = spawn(spec.name, cmd, child_env(cluster.envs[spec.name], params, run_id, cluster.instruments,
+                                                       spec.role, cluster.bootstrap_token), run_dir)
+            cluster.procs[spec.name] = Proc(spec.name, pid, log, f"http://127.0.0.1:{port}", port, cmd)
         # mini-lb reaches the servers only per request, so it loads (it imports sglang) beside them;
         # ours and smg check their health at start (smg asks again only 30 s later), so they start
         # once the servers are healthy
         lb_first = params.lb == "mini-lb"
         if lb_first:
             _start_lb(cluster, env, params.lb, "lb", lp)
-        wait_ready(cluster, ["prefill", "decode"], t0 + deadline_s, healthy)
+        wait_ready(cluster, [s.name for s in specs], t0 + deadline_s, healthy)
         if not lb_first:
             _start_lb(cluster, env, params.lb, "lb", lp)
         wait_ready(cluster, ["lb"], t0 + deadline_s, serves if params.probe_transfer else healthy)
@@ -501,24 +533,28 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
 
 
 def _start_lb(cluster: Cluster, env: SandboxEnv, kind: str, name: str, port: int) -> None:
-    """mini-lb (sglang-router) and the SGLang Model Gateway (smg) run from the packages pinned
+    """Start load balancer ``kind`` in front of every prefill and decode of the cluster.
+
+    mini-lb (sglang-router) and the SGLang Model Gateway (smg) run from the packages pinned
     with the SGLang environment, ours from the tool's own (this interpreter), each as an
     operator's router runs: without the SGLang wheel on its path (mini-lb imports SGLang only for
     tracing, which is off: 5 CPU-seconds a start). smg's metrics listener would take 0.0.0.0:29000
     in every cluster: it gets a free port on 127.0.0.1. smg gets an admin key of its own, as the
     recipe's from its Secret: without one, anyone who reaches its port changes its worker pool;
     whoever needs it reads it from the Proc's argv, as an operator from the Secret."""
+    servers = lb_server_args(kind, [(cluster.procs[n].url, cluster.bootstrap_ports[n]) for n in cluster.servers("prefill")],
+                             [cluster.procs[n].url for n in cluster.servers("decode")])
     if kind in PD_ROUTERS:
-        cmd = [str(env.python), "-m", *PD_ROUTERS[kind], "--prefill", cluster.prefill_url, str(cluster.bootstrap_port)]
+        cmd = [str(env.python), "-m", *PD_ROUTERS[kind], *servers]
         if kind == "smg":
             cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                     SMG_KEYS_FLAG, f"sandbox:operator:admin:{secrets.token_hex(16)}"]
         lb_env = child_env(env, cluster.params, cluster.run_id)
         lb_env.pop("PYTHONPATH")
     else:
-        cmd = [sys.executable, "-m", "sglang_hardened", "lb", "--prefill", f"{cluster.prefill_url},{cluster.bootstrap_port}"]
+        cmd = [sys.executable, "-m", "sglang_hardened", "lb", *servers]
         lb_env = {**os.environ, MARKER: cluster.run_id}
-    cmd += ["--decode", cluster.decode_url, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
     pid, log = spawn(name, cmd, lb_env, cluster.run_dir)
     cluster.procs[name] = Proc(name, pid, log, f"http://127.0.0.1:{port}", port, cmd)
 

@@ -209,7 +209,7 @@ def start(env: SandboxEnv, docs: list[dict], deadline_s: float = 300.0) -> Recip
     recipe = Recipe(Cluster(params, run_id, run_dir, envs={"prefill": env, "decode": env}), found, ports, local,
                     _shims(run_dir, env))
     cluster = recipe.cluster
-    cluster.bootstrap_port = local[(SERVICE_OF["prefill"], ports[SERVICE_OF["prefill"]]["bootstrap"])]
+    cluster.bootstrap_ports = {"prefill": local[(SERVICE_OF["prefill"], ports[SERVICE_OF["prefill"]]["bootstrap"])]}
     t0 = time.monotonic()
     try:
         for server in servers.values():

@@ -159,7 +159,7 @@ def launch(env: SandboxEnv, model: str = "tiny", prefill_env: SandboxEnv | None 
     with phase(f"{CLUSTER_START} {p.base} {p.backend}"):
         c = sbc.start(env, p, ensure_model(env, model), prefill_env=prefill_env)
     PORTS_USED.extend(proc.port for proc in c.procs.values())
-    PORTS_USED.append(c.bootstrap_port)
+    PORTS_USED.extend(c.bootstrap_ports.values())
     return c
 
 
