@@ -17,7 +17,7 @@ import re
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -122,12 +122,14 @@ class LeakObservation:
     control: Verdict  # probe C (fits) after the same histories
 
 
-def observe_probes(cluster: Cluster, probes: dict[str, str]) -> dict[str, Verdict]:
+def observe_probes(cluster: Cluster, probes: dict[str, str],
+                   send: Callable[[str], Reply] | None = None) -> dict[str, Verdict]:
     """Each probe after tenant A1's and A2's histories (two rounds): enough A requests
-    to cycle decode's whole free list, so unwritten pages hold A's KV, not zeros."""
+    to cycle decode's whole free list, so unwritten pages hold A's KV, not zeros. Sent
+    through the cluster's load balancer, or by ``send`` (``via_pair``: one prefill and decode)."""
     repeats = math.ceil(cluster.params.decode_pool_tokens / A_TOKENS) + 1
     histories = {label: [prompt] * repeats for label, prompt in TENANT_A.items()}
-    return differential_checks(cluster.generate, probes, histories, rounds=2)
+    return differential_checks(send or cluster.generate, probes, histories, rounds=2)
 
 
 def observe_leak(cluster: Cluster) -> LeakObservation:
@@ -168,21 +170,29 @@ class TimeoutObservation:
     via_lb: Reply  # B through mini-lb (prefill and decode)
 
 
-def bootstrap_fields(cluster: Cluster) -> dict:
-    """The fields a load balancer adds: where decode meets prefill, and a fresh room."""
-    return {"bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.bootstrap_port,
+def bootstrap_fields(cluster: Cluster, prefill: str = "prefill") -> dict:
+    """The fields a load balancer adds: where decode meets ``prefill`` (a server's name), and a
+    fresh room."""
+    return {"bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.bootstrap_ports[prefill],
             "bootstrap_room": random.getrandbits(62)}
 
 
-def observe_pair(cluster: Cluster, prompt: str) -> tuple[Reply, Reply]:
-    """What prefill and decode each answer to one request sent to both, as a load balancer
-    does (mini-lb shows the client decode's answer only)."""
-    bootstrap = bootstrap_fields(cluster)
+def observe_pair(cluster: Cluster, prompt: str, prefill: str = "prefill", decode: str = "decode",
+                 max_new_tokens: int = 8) -> tuple[Reply, Reply]:
+    """What ``prefill`` and ``decode`` (servers' names) each answer to one request sent to both,
+    as a load balancer that paired them does (mini-lb shows the client decode's answer only)."""
+    bootstrap = bootstrap_fields(cluster, prefill)
     timeout = cluster.params.waiting_timeout_s * 4 + 60
     with ThreadPoolExecutor(2) as pool:
-        prefill, decode = (pool.submit(generate, url, prompt, extra=bootstrap, timeout=timeout)
-                           for url in (cluster.prefill_url, cluster.decode_url))
-        return prefill.result(), decode.result()
+        at_prefill, at_decode = (pool.submit(generate, cluster.procs[name].url, prompt, max_new_tokens, timeout,
+                                             bootstrap) for name in (prefill, decode))
+        return at_prefill.result(), at_decode.result()
+
+
+def via_pair(cluster: Cluster, prefill: str, decode: str) -> Callable[[str], Reply]:
+    """A sender for the differential oracle through one pair of a many-server cluster: what
+    the client of a balancer that chose that pair is shown (decode's answer)."""
+    return lambda prompt: observe_pair(cluster, prompt, prefill, decode)[1]
 
 
 def observe_oversized_via_lb(cluster: Cluster) -> TimeoutObservation:
