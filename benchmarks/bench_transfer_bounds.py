@@ -35,6 +35,7 @@ from stats import quantile
 
 from sglang_hardened.common.table import format_table
 from sglang_hardened.runtime.policy import load_limits
+from sglang_hardened.runtime.release_timeout import release_timeout_s
 from sglang_hardened.runtime.transfer_bounds import bounds_from
 from sglang_hardened.sandbox.env import build_env, default_overlay, upstream_wheel
 from sglang_hardened.sandbox.mooncake_pair import Case, run
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                             f"{mib / statistics.median(seconds[None]):.0f} MiB/s", digits=3)
         print()
     limits = load_limits("H6")
-    timeout_s = limits["release_timeout_s"]
+    timeout_s = release_timeout_s({})
     rows = []
     for bounds in (bounded, (policy.max_entries, args.byte_bound_mib << 20)):
         calls = [s for c, o in zip(cases, outcomes) if c.entries == args.big_entries and c.bounds == bounds

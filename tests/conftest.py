@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.knobs import PATCHES
 from sglang_hardened.common.paths import patches_dir
 from sglang_hardened.pipeline.build import build
 from sglang_hardened.pipeline.lock import load_lock
@@ -59,7 +60,7 @@ def tree_copy(tmp_path, patches, monkeypatch) -> Path:
     """A writable copy of the patch tree, made the one the tool reads."""
     copy = tmp_path / "patches"
     shutil.copytree(patches, copy)
-    monkeypatch.setenv("SGLANG_HARDENED_PATCHES", str(copy))
+    monkeypatch.setenv(PATCHES.name, str(copy))
     return copy
 
 

@@ -27,12 +27,13 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from sglang_hardened.common.knobs import SUITE_STARTED
 from sglang_hardened.common.table import format_table
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET_FILE = Path(__file__).with_name("budget.toml")
 CATALOGUE = REPO / "docs" / "hardening.md"  # the hardening ids: its "## Hn: ..." headings
-STARTED_ENV = "SGLANG_HARDENED_SUITE_STARTED"  # scripts/test sets it (epoch seconds) for a whole-tier run
+STARTED_ENV = SUITE_STARTED.name  # scripts/test sets it (epoch seconds) for a whole-tier run
 TIERS = ("gate", "full")
 SIDES = ("upstream", "hardened")
 

@@ -6,9 +6,7 @@ import os
 from pathlib import Path
 
 from .errors import HardenedError
-
-CACHE_ENV = "SGLANG_HARDENED_CACHE"
-PATCHES_ENV = "SGLANG_HARDENED_PATCHES"
+from .knobs import CACHE, PATCHES
 
 
 def cache_dir() -> Path:
@@ -17,7 +15,7 @@ def cache_dir() -> Path:
     Outside the checkout on purpose: CI runs in a fresh clone on a machine
     that may keep the user's cache, so a cache in the checkout is always cold.
     """
-    override = os.environ.get(CACHE_ENV)
+    override = CACHE.raw()
     if override:
         return Path(override)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -28,13 +26,13 @@ def patches_dir() -> Path:
     """The `patches/` tree: the checkout's, unless overridden.
 
     Building is done from a checkout (the series are its content); an installed
-    tool without one must be pointed at a tree with SGLANG_HARDENED_PATCHES.
+    tool without one must be pointed at a tree with ``PATCHES``.
     """
-    override = os.environ.get(PATCHES_ENV)
+    override = PATCHES.raw()
     path = Path(override) if override else Path(__file__).resolve().parents[2] / "patches"
     if not (path / "upstream.lock").is_file():
         raise HardenedError(
             f"no patch tree at {path} (expected {path / 'upstream.lock'}); "
-            f"run from a sglang-hardened checkout or set {PATCHES_ENV}"
+            f"run from a sglang-hardened checkout or set {PATCHES.name}"
         )
     return path

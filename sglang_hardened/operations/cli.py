@@ -121,11 +121,13 @@ def info(json_to: str | None) -> None:
 
 @click.group()
 def policy() -> None:
-    """The hardening policy: defaults applied by `launch` and the image.
+    """The hardening policy: defaults applied by `launch` and the image, and every
+    SGLANG_HARDENED_* variable.
 
     \b
     Example:
       sglang-hardened policy show --base 0.5.19
+      sglang-hardened policy knobs
     """
 
 
@@ -144,6 +146,22 @@ def policy_show(base: str) -> None:
         (k.id, k.name, k.value or "on", "PD only" if k.pd_only else "all", k.why.split(";")[0])
         for k in knobs_for(base)
     ]))
+
+
+@policy.command("knobs")
+@click.option("--markdown", is_flag=True, help="As the Markdown table docs/operating.md carries.")
+def policy_knobs(markdown: bool) -> None:
+    """Print every SGLANG_HARDENED_* variable: type, default, hardening id, who reads it, whether
+    setting it weakens a guarantee, and what it does.
+
+    \b
+    Example:
+      sglang-hardened policy knobs
+      sglang-hardened policy knobs --markdown
+    """
+    from ..runtime.policy import KNOB_COLUMNS, knob_rows, knobs_markdown
+
+    click.echo(knobs_markdown() if markdown else format_table(KNOB_COLUMNS, knob_rows()))
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

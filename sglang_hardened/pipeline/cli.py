@@ -10,6 +10,7 @@ from packaging.version import InvalidVersion, Version
 
 from .. import __version__
 from ..common.errors import HardenedError
+from ..common.knobs import UPSTREAM_RELEASES
 from ..common.paths import patches_dir
 from ..common.table import format_table
 from .fetch import ARCHES
@@ -164,7 +165,7 @@ def _releases(_ctx: click.Context, _param: click.Parameter, value: str | None) -
 
 
 @upstream.command("check")
-@click.option("--releases", envvar="SGLANG_HARDENED_UPSTREAM_RELEASES", show_envvar=True, callback=_releases,
+@click.option("--releases", envvar=UPSTREAM_RELEASES.name, show_envvar=True, callback=_releases,
               help="Comma-separated releases to take as the index's list instead of asking it "
                    "(a fixed upstream for tests; ci/upstream-rebase passes the variable on).")
 def upstream_check(releases: list[Version] | None) -> None:

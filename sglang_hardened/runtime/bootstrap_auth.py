@@ -25,9 +25,10 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 
-TOKEN_ENV = "SGLANG_HARDENED_BOOTSTRAP_TOKEN"
+from ..common.knobs import BOOTSTRAP_TOKEN
+
+TOKEN_ENV = BOOTSTRAP_TOKEN.name
 TOKEN_HEADER = "X-SGLang-Hardened-Token"
 WRITES = frozenset({("PUT", "/route"), ("POST", "/register_dp_rank")})
 RANKS_MAX = 16384  # rank keys one bootstrap server remembers (DP x CP x TP x PP of one prefill)
@@ -38,18 +39,18 @@ log = logging.getLogger("sglang_hardened")
 
 def token_set() -> bool:
     """Whether this process holds a bootstrap token (what /server_info reports)."""
-    return bool(os.environ.get(TOKEN_ENV))
+    return bool(BOOTSTRAP_TOKEN.get())
 
 
 def headers() -> dict[str, str]:
     """What a hardened peer sends with its writes to, and reads from, a bootstrap server."""
-    token = os.environ.get(TOKEN_ENV)
+    token = BOOTSTRAP_TOKEN.get()
     return {TOKEN_HEADER: token} if token else {}
 
 
 def token_ok(request_headers) -> bool:
     """True when no token is set here, or the request carries the same one."""
-    token = os.environ.get(TOKEN_ENV)
+    token = BOOTSTRAP_TOKEN.get()
     return not token or hmac.compare_digest(request_headers.get(TOKEN_HEADER, "").encode(), token.encode())
 
 

@@ -27,20 +27,20 @@ each torch call's fixed dispatch cost is most of the work (docs/page-tags.md).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from ..common.knobs import PAGE_TAGS_FAIL_CLOSED
 from . import metrics
 from .page_tags_cost import CostMeter
 
 # Rows a request can never match: rooms are >= 0 and epochs start at 1.
 UNSTAMPED = -1
 TAG_WORDS = 2  # room, epoch
-FAIL_CLOSED_ENV = "SGLANG_HARDENED_PAGE_TAGS_FAIL_CLOSED"
+FAIL_CLOSED_ENV = PAGE_TAGS_FAIL_CLOSED.name
 
 log = logging.getLogger("sglang_hardened")
 
@@ -249,7 +249,7 @@ class DecodePageTags:
                  fail_closed: bool | None = None, path: str | None = None, heads: int = 1) -> None:
         self.buffer = TagBuffer(num_pages, device, path=path, heads=heads)
         self._ops = self.buffer.ops
-        self.fail_closed = os.environ.get(FAIL_CLOSED_ENV) == "1" if fail_closed is None else fail_closed
+        self.fail_closed = PAGE_TAGS_FAIL_CLOSED.get() if fail_closed is None else fail_closed
         self.expected: dict[int, int] = {}
         self._allocated: dict[int, Index] = {}  # room -> its current allocation's pages, for release
         self._last_epoch = 0

@@ -17,40 +17,29 @@ each operation's wall time also goes into a histogram (runtime/metrics.py).
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 import re
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..common.knobs import PAGE_TAGS_COST_EVERY
 from . import metrics
 
-COST_EVERY_ENV = "SGLANG_HARDENED_PAGE_TAGS_COST_EVERY"
+COST_EVERY_ENV = PAGE_TAGS_COST_EVERY.name
 
 log = logging.getLogger("sglang_hardened")
 
 Start = tuple[int, int] | None  # (perf_counter_ns, thread_time_ns) when metering, else None
 
 
-@functools.cache
-def _default_every() -> int:
-    from .policy import load_limits
-
-    return int(load_limits("H8")["cost_report_every"])
-
-
 def cost_report_every() -> int:
     """Requests per cost line in this process: the env var, else the policy's default; 0 is off.
     Read when the tags are made (server start-up), so a bad value stops the server there."""
-    raw = os.environ.get(COST_EVERY_ENV)
-    if raw is None:
-        return _default_every()
-    if not raw.strip().isdigit():
-        raise ValueError(f"{COST_EVERY_ENV}={raw!r}: give a whole number of requests per H8 cost line (0 = off)")
-    return int(raw)
+    from .policy import knob_value
+
+    return knob_value(PAGE_TAGS_COST_EVERY)
 
 
 @dataclass

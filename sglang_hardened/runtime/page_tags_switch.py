@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-TAGS_ENV = "SGLANG_HARDENED_PAGE_TAGS"
+from ..common.knobs import PAGE_TAGS
+
+TAGS_ENV = PAGE_TAGS.name
 
 
 def tags_on(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this server tags pages: unless ``TAGS_ENV`` is "off". A value that is neither
     "on" nor "off" is an error that names it: a typo must not turn H8 off."""
-    value = environ.get(TAGS_ENV, "on").strip().lower()
-    if value not in ("on", "off"):
-        raise ValueError(f"sglang-hardened H8: {TAGS_ENV}={environ[TAGS_ENV]!r}: use on or off")
-    return value == "on"
+    return PAGE_TAGS.get(environ)

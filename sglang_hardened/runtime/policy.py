@@ -1,7 +1,10 @@
-"""The hardening policy file (`policy.yaml`): which knobs apply to which base."""
+"""The hardening policy file (`policy.yaml`): which knobs apply to which base, the numbers the
+runtime reads, and the defaults of the ``SGLANG_HARDENED_*`` variables that override them."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 
@@ -10,6 +13,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ..common.errors import HardenedError
+from ..common import knobs
+from ..common.knobs import KNOBS, Limit
+from ..common.table import markdown_table
 
 PD_MODES = ("prefill", "decode")
 
@@ -38,9 +44,39 @@ def _policy_file() -> dict:
     return yaml.safe_load(resources.files(__package__).joinpath("policy.yaml").read_text())
 
 
-def load_limits(hardening_id: str) -> dict[str, int | float]:
-    """The numbers the runtime layer uses for one hardening id (its defaults)."""
-    return dict(_policy_file()["limits"][hardening_id])
+def load_limits(item: str) -> dict[str, int | float]:
+    """The numbers the runtime layer uses for one item of ``limits`` (a hardening id, or a number
+    several share, such as ``release_timeout``): its defaults."""
+    return dict(_policy_file()["limits"][item])
+
+
+def limit(ref: Limit) -> int | float:
+    """The number a ``Limit`` names."""
+    return load_limits(ref.item)[ref.key]
+
+
+def knob_value(knob: knobs.Knob, environ: Mapping[str, str] = os.environ):
+    """A knob's value in this environment, its default read from ``limits`` where the policy owns it."""
+    return knob.get(environ, limit(knob.default) if isinstance(knob.default, Limit) else None)
+
+
+KNOB_COLUMNS = ("variable", "type", "default", "id", "role", "weakens a guarantee", "what it does")
+
+
+def knob_rows() -> list[tuple[str, ...]]:
+    """One row per ``SGLANG_HARDENED_*`` variable, defaults resolved: what `policy knobs` prints
+    and docs/operating.md carries."""
+    def default(knob: knobs.Knob) -> str:
+        if isinstance(knob.default, Limit):
+            return f"{limit(knob.default)} ({knob.default})"
+        return "unset" if knob.default is None else str(knob.default)
+
+    return [(k.name, k.type, default(k), k.id or "-", k.role, "yes" if k.weakens else "no", k.doc) for k in KNOBS]
+
+
+def knobs_markdown() -> str:
+    """The knob table as docs/operating.md carries it (`policy knobs --markdown`)."""
+    return markdown_table(KNOB_COLUMNS, [(f"`{name}`", *rest) for name, *rest in knob_rows()])
 
 
 def load_policy() -> list[Knob]:

@@ -19,7 +19,7 @@ def release_timeout_s(environ: Mapping[str, str]) -> float:
     """Decode's deferred-release timeout in this environment (upstream's default unless set)."""
     from .policy import load_limits
 
-    return float(environ.get(RELEASE_TIMEOUT_ENV, load_limits("H6")["release_timeout_s"]))
+    return float(environ.get(RELEASE_TIMEOUT_ENV, load_limits("release_timeout")["upstream_default_s"]))
 
 
 @lru_cache(maxsize=1)

@@ -35,7 +35,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-SWITCH_ENV = "SGLANG_HARDENED_SEAM_COST_DIR"
+from ..common.knobs import SEAM_COST_DIR
+
+SWITCH_ENV = SEAM_COST_DIR.name
 SEAMS_FILE = "seams.json"
 METRICS_SEAM = "metrics._write"  # every metric write goes through it (runtime/metrics.py)
 WRAPPED = "__sglang_hardened_seam__"  # set on a wrapper: the seam it times
@@ -215,7 +217,7 @@ def install(environ: Mapping[str, str] = os.environ) -> Report | None:
     writing this process's totals there; otherwise do nothing. A directory without a readable
     list stops the process here, naming it: a measurement must not silently time nothing."""
     global _report
-    folder = environ.get(SWITCH_ENV)
+    folder = SEAM_COST_DIR.get(environ)
     if not folder:
         return None
     try:

@@ -35,16 +35,17 @@ import urllib.error
 from collections import OrderedDict
 from collections.abc import Mapping
 
+from ..common.knobs import ALLOW_EARLY_RELEASE, ALLOW_TOKENIZER_WORKERS, ALLOW_UNSAFE_KV_LIMITS, Knob
 from . import metrics
 from .peer_json import READ_ERRORS, get_json, is_int
 
 # One override for both H7 checks: a pool below the context is what makes the
 # roles' input limits differ, and tests of the deeper layers need both off.
-OVERRIDE_ENV = "SGLANG_HARDENED_ALLOW_UNSAFE_KV_LIMITS"
+OVERRIDE_ENV = ALLOW_UNSAFE_KV_LIMITS.name
 PD_MODES = ("prefill", "decode")
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
-RELEASE_OVERRIDE_ENV = "SGLANG_HARDENED_ALLOW_EARLY_RELEASE"
-WORKERS_OVERRIDE_ENV = "SGLANG_HARDENED_ALLOW_TOKENIZER_WORKERS"
+RELEASE_OVERRIDE_ENV = ALLOW_EARLY_RELEASE.name
+WORKERS_OVERRIDE_ENV = ALLOW_TOKENIZER_WORKERS.name
 FALSE_VALUES = ("false", "0", "no", "n")  # what upstream's EnvBool reads as off
 LIMITS_ROUTE = "/hardened/limits"
 REGISTRATION_FIELD = "hardened_max_req_input_len"
@@ -95,7 +96,7 @@ def check_release_setting(mode: str) -> None:
         f"drained: decode would give pages to other requests while a write can still land in them. "
         f"Remedy: unset it. To start anyway, set {RELEASE_OVERRIDE_ENV}=1 (logged)."
     )
-    _refuse_unless_overridden(message, "Starting anyway", RELEASE_OVERRIDE_ENV)
+    _refuse_unless_overridden(message, "Starting anyway", ALLOW_EARLY_RELEASE)
 
 
 def check_launch(server_args) -> None:
@@ -111,7 +112,7 @@ def check_launch(server_args) -> None:
         f"--tokenizer-worker-num 1 on prefill. To start without H4's notice, set {WORKERS_OVERRIDE_ENV}=1 "
         f"(logged)."
     )
-    _refuse_unless_overridden(message, "Starting without H4's notice", WORKERS_OVERRIDE_ENV)
+    _refuse_unless_overridden(message, "Starting without H4's notice", ALLOW_TOKENIZER_WORKERS)
 
 
 def check_kv_pool(mode: str, pool_tokens: int, context_len: int) -> None:
@@ -128,18 +129,18 @@ def check_kv_pool(mode: str, pool_tokens: int, context_len: int) -> None:
     _refuse_unless_overridden(message, "Starting anyway")
 
 
-def _refuse_unless_overridden(message: str, going_on: str, override_env: str = OVERRIDE_ENV) -> None:
+def _refuse_unless_overridden(message: str, going_on: str, override: Knob = ALLOW_UNSAFE_KV_LIMITS) -> None:
     """Raise ``UnsafeConfiguration`` with ``message`` (logged) unless the operator's override is set."""
-    if not _overridden(message, going_on, override_env):
+    if not _overridden(message, going_on, override):
         log.error(message)
         raise UnsafeConfiguration(message)
 
 
-def _overridden(message: str, going_on: str, override_env: str = OVERRIDE_ENV) -> bool:
+def _overridden(message: str, going_on: str, override: Knob = ALLOW_UNSAFE_KV_LIMITS) -> bool:
     """Whether the operator's override is set; if so, log that it overrode ``message``."""
-    if os.environ.get(override_env) != "1":
+    if not override.get():
         return False
-    log.warning("%s %s: %s=1 overrides this check.", message, going_on, override_env)
+    log.warning("%s %s: %s=1 overrides this check.", message, going_on, override.name)
     return True
 
 

@@ -45,12 +45,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..common.knobs import TRANSFER_LINK_RATE, TRANSFER_MAX_ENTRIES
 from . import metrics
 from .release_timeout import process_release_timeout_s, release_timeout_s
 from .source_hold import HOLD_TIMEOUTS
 
-MAX_ENTRIES_ENV = "SGLANG_HARDENED_TRANSFER_MAX_ENTRIES"
-LINK_RATE_ENV = "SGLANG_HARDENED_TRANSFER_LINK_RATE"
+MAX_ENTRIES_ENV = TRANSFER_MAX_ENTRIES.name
+LINK_RATE_ENV = TRANSFER_LINK_RATE.name
 
 Batch = tuple[list[int], list[int], list[int]]  # sources, destinations, lengths: one engine call
 Write = Callable[[str, list[int], list[int], list[int]], int]
@@ -96,13 +97,12 @@ def split(srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int], boun
 
 def bounds_from(environ: Mapping[str, str]) -> Bounds:
     """The bounds for a process with this environment: the policy's numbers, env overriding."""
-    from .policy import load_limits
+    from .policy import knob_value, load_limits
 
-    limits = load_limits("H6")
     timeout_s = release_timeout_s(environ)
-    link_rate = float(environ.get(LINK_RATE_ENV, limits["link_rate_bytes_per_s"]))
-    return Bounds(max_entries=int(environ.get(MAX_ENTRIES_ENV, limits["max_entries_per_call"])),
-                  max_bytes=int(timeout_s * limits["timeout_fraction"] * link_rate))
+    link_rate = float(knob_value(TRANSFER_LINK_RATE, environ))
+    return Bounds(max_entries=int(knob_value(TRANSFER_MAX_ENTRIES, environ)),
+                  max_bytes=int(timeout_s * load_limits("H6")["timeout_fraction"] * link_rate))
 
 
 @lru_cache(maxsize=1)

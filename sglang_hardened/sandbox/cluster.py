@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..common.knobs import SANDBOX
 from ..common.paths import cache_dir
 from ..operations.deploy_wiring import SMG_KEYS_FLAG
 from ..operations.oracle import Reply, generate
@@ -36,7 +37,7 @@ from .servers import ServerSpec, lb_server_args, role_of, server_names, server_s
 if TYPE_CHECKING:  # instruments read the checkout's overlay: only a cluster that asks for them needs it
     from .instruments import Instruments
 
-MARKER = "SGLANG_HARDENED_SANDBOX"
+MARKER = SANDBOX.name
 BIND_FAILED = "address already in use"
 AT_REST_WAIT_S = 30.0  # the ready probe's pages back (_wait_at_rest), else the start is tried again
 WAIT_POLL_S = 0.25  # start-up readiness polls: /health is cheap, and every start waits on several

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.knobs import TEST_SESSION
 from sglang_hardened.common.paths import patches_dir
 from sglang_hardened.common.table import format_table
 from sglang_hardened.image.build import wheel_manifest
@@ -26,8 +27,8 @@ from .scenarios import FULL_MATRIX
 OVERLAY = Path(__file__).parents[1] / "cpu_overlay"
 PORTS_USED: list[int] = []  # every port a cluster of this session held
 # every child of this session inherits it: the leftovers check judges this run's processes only
-SESSION_MARK = f"SGLANG_HARDENED_TEST_SESSION={os.getpid()}-{time.time_ns()}"
-os.environ[SESSION_MARK.split("=")[0]] = SESSION_MARK.split("=")[1]
+os.environ[TEST_SESSION.name] = f"{os.getpid()}-{time.time_ns()}"
+SESSION_MARK = f"{TEST_SESSION.name}={TEST_SESSION.raw()}"
 # (scenario, base, backend, build, status, seconds): upstream and hardened in the same run
 TIMINGS: list[tuple[str, str, str, str, int, float]] = []
 EnvKey = tuple[str, bool, tuple[str, ...], Path | None, str]

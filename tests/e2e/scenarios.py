@@ -11,7 +11,6 @@ import contextlib
 import http.client
 import json
 import math
-import os
 import random
 import re
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
+from sglang_hardened.common.knobs import E2E_MATRIX
 from sglang_hardened.operations.oracle import Reply, Verdict, differential_checks, generate
 from sglang_hardened.runtime.startup import OVERRIDE_ENV as H7_OVERRIDE
 from sglang_hardened.sandbox.cluster import BACKENDS, Cluster
@@ -47,8 +47,8 @@ TIMEOUT_PARAMS = dict(prefill_pool_tokens=256, decode_pool_tokens=4096, context_
 # and both NIXL builds' are the fault matrix's (H1 and H4, what the scenario shows, do not touch
 # the transport). SGLANG_HARDENED_E2E_MATRIX=full runs every scenario everywhere (README,
 # docs/e2e-matrix.md).
-MATRIX_ENV = "SGLANG_HARDENED_E2E_MATRIX"
-FULL_MATRIX = os.environ.get(MATRIX_ENV) == "full"
+MATRIX_ENV = E2E_MATRIX.name
+FULL_MATRIX = E2E_MATRIX.get() == "full"
 CORE = [("0.5.19", "mooncake"), ("0.5.23", "mooncake")]
 EVERYWHERE = [(base, backend) for base in bases() for backend in BACKENDS]
 EDGE = [("0.5.20", "mooncake")]

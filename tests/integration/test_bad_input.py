@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.knobs import CACHE
 from sglang_hardened.pipeline.fetch import cached_path, fetch_wheel
 from sglang_hardened.pipeline.lock import load_lock
 
@@ -33,7 +34,7 @@ def test_tampered_cached_upstream_wheel_is_refused(run_cli, patches, tmp_path):
         fh.seek(1000)
         fh.write(bytes([byte[0] ^ 0xFF]))
     out = tmp_path / "out"
-    done = run_cli("build", "--base", BASE, "--out", str(out), env={"SGLANG_HARDENED_CACHE": str(cache)})
+    done = run_cli("build", "--base", BASE, "--out", str(out), env={CACHE.name: str(cache)})
     assert_failed_cleanly(done, out, "sha256 mismatch", pin.sha256)
 
 

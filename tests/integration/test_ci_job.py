@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.knobs import UPSTREAM_RELEASES
 from tests.harness import REPO
 
 # `gh` and `git`'s publishing verbs stand in for GitHub: they record each call (and a body
@@ -34,7 +35,7 @@ if argv[:2] == ["pr", "view"]:
 def upstream_releases(monkeypatch) -> None:
     """Upstream as these tests know it, not as the index lists it today: a release after 0.5.23
     there would be carried onto next, and fail the clean carry."""
-    monkeypatch.setenv("SGLANG_HARDENED_UPSTREAM_RELEASES", "0.5.21,0.5.22,0.5.23")
+    monkeypatch.setenv(UPSTREAM_RELEASES.name, "0.5.21,0.5.22,0.5.23")
     # one wheel per carried release: the carry, not the build of every wheel (test_build.py's)
     monkeypatch.setenv("REBASE_BUILD_ARGS", "--python 3.11 --arch x86_64")
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from sglang_hardened import __version__
+from sglang_hardened.common.knobs import HEALTH_PORT
 from sglang_hardened.image.build import (DOCKERFILE, PLATFORMS, build_args, build_command, ensure_wheels,
                                          tool_wheel_is_current, wheel_manifest)
 from sglang_hardened.pipeline.build import build
@@ -130,7 +131,7 @@ def test_image_labels_and_config_say_what_it_carries(image, substitute_base, pat
     assert labels["sglang-hardened.hardening-ids"] == " ".join(series.hardening_ids)
     assert labels["sglang-hardened.upstream-sha256"] == get_pin(patches, BASE).sha256
     assert labels["org.opencontainers.image.base.name"] == substitute_base
-    assert "SGLANG_HARDENED_HEALTH_PORT=30000" in config["Env"]
+    assert f"{HEALTH_PORT.name}={HEALTH_PORT.default}" in config["Env"]  # the registry's default
 
 
 @pytest.mark.image
@@ -167,13 +168,13 @@ def test_healthcheck_probes_health_on_the_configured_port(container, image):
     port = server.server_address[1]
     try:
         # chroot isolation shares this network namespace, so the container sees the server.
-        healthy = run("buildah", "run", "--env", f"SGLANG_HARDENED_HEALTH_PORT={port}",
+        healthy = run("buildah", "run", "--env", f"{HEALTH_PORT.name}={port}",
                       container, "--", *probe[1:])
         assert healthy.returncode == 0, healthy.stderr
     finally:
         server.shutdown()
         server.server_close()
-    down = run("buildah", "run", "--env", f"SGLANG_HARDENED_HEALTH_PORT={port}", container, "--", *probe[1:])
+    down = run("buildah", "run", "--env", f"{HEALTH_PORT.name}={port}", container, "--", *probe[1:])
     assert down.returncode != 0
 
 

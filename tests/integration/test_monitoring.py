@@ -28,7 +28,7 @@ import yaml
 from sglang_hardened.operations.deploy_wiring import pod_templates, render
 from sglang_hardened.runtime import metrics
 from sglang_hardened.runtime.outcomes import WATCHERS_MAX
-from sglang_hardened.runtime.policy import load_limits
+from sglang_hardened.runtime.release_timeout import release_timeout_s
 from sglang_hardened.runtime.source_hold import HOLD_TIMEOUTS
 from sglang_hardened.sandbox.recipe import RECIPE
 from tests.harness import REPO
@@ -122,7 +122,7 @@ def test_thresholds_are_the_runtimes_own_numbers():
     (runtime/outcomes.py) and 80 % of a prefill hold's limit (HOLD_TIMEOUTS release timeouts)."""
     expr = {r["alert"]: r["expr"] for r in _rules()}
     assert expr["SGLangHardenedOutcomeFollowersAtCap"].endswith(f">= {WATCHERS_MAX}")
-    limit = HOLD_TIMEOUTS * load_limits("H6")["release_timeout_s"]
+    limit = HOLD_TIMEOUTS * release_timeout_s({})
     assert expr["SGLangHardenedHoldNearItsLimit"].endswith(f"> {0.8 * limit:g}")
 
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from sglang_hardened.common.paths import CACHE_ENV
+from sglang_hardened.common.knobs import CACHE
 from sglang_hardened.sandbox.cluster import Cluster, ClusterParams, Proc
 from sglang_hardened.sandbox.env import SandboxError
 from sglang_hardened.sandbox.soak.catalogue import Catalogue, Expected, Prompt, fitting_lengths
@@ -192,7 +192,7 @@ def test_an_uninstrumented_cluster_is_refused(tmp_path):
     ([], "is not up"),
 ])
 def test_the_command_refuses_bad_input_with_its_cause(args, says, tmp_path):
-    env = {**os.environ, CACHE_ENV: str(tmp_path)}
+    env = {**os.environ, CACHE.name: str(tmp_path)}
     run = subprocess.run([sys.executable, "-m", "sglang_hardened", "sandbox", "soak", "--name", "nowhere", *args],
                          capture_output=True, text=True, env=env)
     assert run.returncode != 0 and says in run.stderr, run.stderr

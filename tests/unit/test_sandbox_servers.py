@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from sglang_hardened.common.knobs import CACHE
 from sglang_hardened.lb.cli import lb
 from sglang_hardened.sandbox import cluster as sbc
 from sglang_hardened.sandbox.cli import sandbox
@@ -89,7 +90,7 @@ def test_the_record_keeps_every_server_and_bootstrap_port(tmp_path):
 
 
 def test_status_json_lists_every_server(tmp_path, monkeypatch):
-    monkeypatch.setenv("SGLANG_HARDENED_CACHE", str(tmp_path))
+    monkeypatch.setenv(CACHE.name, str(tmp_path))
     (tmp_path / "sandbox").mkdir()
     (tmp_path / "sandbox" / "two.json").write_text(json.dumps(_cluster(tmp_path).to_json()))
     result = CliRunner().invoke(sandbox, ["status", "--name", "two", "--json"])

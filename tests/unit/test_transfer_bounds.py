@@ -15,7 +15,7 @@ import pytest
 
 from sglang_hardened.runtime import transfer_bounds
 from sglang_hardened.runtime.policy import load_limits
-from sglang_hardened.runtime.release_timeout import RELEASE_TIMEOUT_ENV
+from sglang_hardened.runtime.release_timeout import RELEASE_TIMEOUT_ENV, release_timeout_s
 from sglang_hardened.runtime.transfer_bounds import (LINK_RATE_ENV, MAX_ENTRIES_ENV, Bounds, batch_transfer_sync,
                                                      bounds_from, split)
 
@@ -75,7 +75,8 @@ def test_policy_defaults_stay_under_mooncake_tcp_and_the_release_timeout():
     assert bounds == Bounds(1024, 1_875_000_000)
     assert bounds.max_entries <= MOONCAKE_TCP_ENTRIES_PER_CALL // 2
     seconds_per_call = bounds.max_bytes / limits["link_rate_bytes_per_s"]
-    assert seconds_per_call <= limits["release_timeout_s"] * limits["timeout_fraction"] < limits["release_timeout_s"]
+    timeout_s = release_timeout_s({})  # upstream's default
+    assert seconds_per_call <= timeout_s * limits["timeout_fraction"] < timeout_s
 
 
 def test_env_overrides_each_number_and_the_byte_bound_follows_the_timeout():
