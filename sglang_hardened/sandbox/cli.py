@@ -10,7 +10,7 @@ import click
 from ..common.errors import HardenedError
 from ..common.paths import cache_dir
 from ..runtime.release_timeout import release_timeout_s
-from .cluster import BACKENDS, LBS, Cluster, ClusterParams, marked_pids, start
+from .cluster import BACKENDS, INFLIGHT_S, LBS, Cluster, ClusterParams, marked_pids, start
 from .env import DEFAULT_PYTHON, PYTHONS, SandboxError, build_env, default_overlay, wheels_for
 from .model import VARIANTS, default_variant, ensure_model
 from .soak.plan import DEFAULT_MIX, DEFAULT_RATES, FAULTS, SoakPlan
@@ -69,6 +69,10 @@ def sandbox() -> None:
 @click.option("--decode-tp", type=int, default=None, help="Decode's own TP size (default: --tp): mismatched TP.")
 @click.option("--dp", type=int, default=1, show_default=True, help="DP-attention groups per role, inside its TP ranks "
               "(the model is then qwen3 unless --model says otherwise).")
+@click.option("--inflight", is_flag=True,
+              help=f"A batch in flight: each forward's result reaches the scheduler {INFLIGHT_S:g} s after the forward "
+                   "returns, as a GPU's does once its batch has run, so the overlap loop's PD queues run beside "
+                   "an unfinished batch (tests/cpu_overlay/site/sgl_inflight.py).")
 @click.option("--model", "model", type=click.Choice(sorted(VARIANTS)), default=None,
               help="Tiny model variant [default: tiny; qwen3 with --dp: upstream's Llama cannot run DP attention].")
 @click.option("--prefills", type=int, default=1, show_default=True,
@@ -80,8 +84,8 @@ def sandbox() -> None:
 def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, backend: str, lb: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
-       overlay: Path | None, instrument: bool, tp: int, decode_tp: int | None, dp: int, model: str | None,
-       prefills: int, decodes: int, prefill_limits: tuple[int, ...]) -> None:
+       overlay: Path | None, instrument: bool, tp: int, decode_tp: int | None, dp: int, inflight: bool,
+       model: str | None, prefills: int, decodes: int, prefill_limits: tuple[int, ...]) -> None:
     """Build the environment if needed and start a cluster.
 
     \b
@@ -94,6 +98,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, ba
       sglang-hardened sandbox up --base 0.5.23 --hardened --tp 2 --dp 2 --prefill-pool-tokens 2048
       sglang-hardened sandbox up --base 0.5.23 --hardened --prefills 2 --decodes 2 --lb smg
       sglang-hardened sandbox up --base 0.5.23 --hardened --prefills 2 --prefill-limit 600 --prefill-limit 1024
+      sglang-hardened sandbox up --base 0.5.23 --model deepseek --page-size 64 --inflight --instrument
     """
     try:
         old = _load(name)
@@ -105,7 +110,8 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, ba
                                page_size=page_size, chunked_prefill_size=chunked_prefill_size,
                                waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env,
                                lb=lb, via_launch=via_launch, instrument=instrument, tp=tp, decode_tp=decode_tp, dp=dp,
-                               prefills=prefills, decodes=decodes, prefill_limits=prefill_limits)
+                               prefills=prefills, decodes=decodes, prefill_limits=prefill_limits,
+                               inflight_s=INFLIGHT_S if inflight else 0.0)
         params.validate()
         if via_launch and (upstream or wheel):
             raise SandboxError("--via-launch needs --hardened: `launch` comes with the hardened build's tool wheel")
@@ -115,7 +121,8 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, ba
     except SandboxError as e:
         raise click.ClickException(str(e)) from e
     _save(name, cluster)
-    click.echo(f"up in {cluster.startup_s:.0f}s on Python {python}: load balancer {cluster.lb_url}")
+    loops = "; ".join(f"{role} {', '.join(sorted(names))}" for role, names in cluster.event_loops().items())
+    click.echo(f"up in {cluster.startup_s:.0f}s on Python {python}: load balancer {cluster.lb_url} (event loops: {loops})")
 
 
 @sandbox.command()

@@ -31,7 +31,7 @@ from ..common.paths import cache_dir
 from ..operations.deploy_wiring import SMG_KEYS_FLAG
 from ..operations.oracle import Reply, generate
 from ..runtime.bootstrap_auth import TOKEN_ENV
-from .env import SandboxEnv, SandboxError
+from .env import SandboxEnv, SandboxError, overlay_module
 from .servers import ServerSpec, lb_server_args, role_of, server_names, server_specs
 
 if TYPE_CHECKING:  # instruments read the checkout's overlay: only a cluster that asks for them needs it
@@ -50,6 +50,9 @@ CUDA_GRAPHS_OFF = {
     **{base: _BACKENDS_DISABLED for base in ("0.5.20", "0.5.21", "0.5.22", "0.5.23")},
 }
 log = logging.getLogger("sglang_hardened.sandbox")
+# the in-flight mode's delay (``ClusterParams.inflight_s``): several of the tiny model's CPU forwards,
+# so every pass of the overlap loop's PD queues falls inside one unfinished batch
+INFLIGHT_S = 0.2
 # DP attention: every base turns the all-to-all LM head on for decode with pure DP attention, and
 # its custom op has no CPU kernel; upstream's own opt-out, passed to both roles alike.
 DP_LM_HEAD_ON_CPU = ["--no-enable-tp-lm-head-all-to-all"]
@@ -89,6 +92,9 @@ class ClusterParams:
     decodes: int = 1  # decode servers, likewise
     # each prefill's KV pool tokens, its context length at most that (empty: prefill_pool_tokens for every one)
     prefill_limits: tuple[int, ...] = ()
+    # each forward's result reaches the scheduler this long after the forward returns (the overlay's
+    # sgl_inflight: a GPU batch still running while the overlap loop goes on); 0: at once, as on CPU
+    inflight_s: float = 0.0
 
     def count(self, role: str) -> int:
         """How many servers of ``role`` the cluster runs."""
@@ -116,6 +122,8 @@ class ClusterParams:
         if self.prefill_limits and (len(self.prefill_limits) != self.prefills or min(self.prefill_limits) < 1):
             raise SandboxError(f"prefill limits {list(self.prefill_limits)} must be one positive pool size per "
                                f"prefill ({self.prefills})")
+        if self.inflight_s < 0:
+            raise SandboxError(f"the in-flight delay must be 0 (off) or more, not {self.inflight_s}")
         if self.dp < 1:
             raise SandboxError(f"the DP size must be at least 1, not {self.dp}")
         for role in ("prefill", "decode"):
@@ -206,6 +214,13 @@ class Cluster:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+    def event_loops(self) -> dict[str, set[str]]:
+        """The event loops each server's schedulers entered, as they logged it (the overlay's
+        ``sgl_inflight``, wrapping what upstream's own dispatch calls), by server name."""
+        said = f"{_inflight().LOOP}: "
+        return {name: {line.split(said, 1)[1].split()[0] for line in self.log_tail(name, 10**6).splitlines()
+                       if said in line} for name in (*self.servers("prefill"), *self.servers("decode"))}
 
     def log_tails(self, lines: int = 40) -> str:
         return "\n".join(f"--- {n} log tail ({p.log}) ---\n{self.log_tail(n, lines)}" for n, p in self.procs.items())
@@ -416,6 +431,8 @@ def child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instr
     })
     if token:
         e[TOKEN_ENV] = token
+    if p.inflight_s:
+        e[_inflight().DELAY_ENV] = str(p.inflight_s)
     e.update(kv.split("=", 1) for kv in (*(instruments.env() if instruments else ()), *p.extra_env))
     return e
 
@@ -524,6 +541,7 @@ def _start_once(env: SandboxEnv, params: ClusterParams, model: Path, deadline_s:
             _start_lb(cluster, env, params.lb, "lb", lp)
         wait_ready(cluster, ["lb"], t0 + deadline_s, serves if params.probe_transfer else healthy)
         if params.probe_transfer:
+            _in_its_mode(cluster)
             _wait_at_rest(cluster, t0 + deadline_s)
     except BaseException:
         cluster.stop()
@@ -582,6 +600,25 @@ def _wait_at_rest(cluster: Cluster, deadline: float) -> None:
             raise NotAtRest(f"KV tokens still held {time.monotonic() - start:.0f} s after the ready probe: {used}\n"
                             f"{cluster.log_tails()}")
         time.sleep(WAIT_POLL_S)
+
+
+def _inflight():
+    return overlay_module("sgl_inflight")
+
+
+def _in_its_mode(cluster: Cluster) -> None:
+    """Fail the start unless every server logged the event loop it runs and, in the in-flight
+    mode, that its loop went on past an unfinished batch (after a request long enough to run
+    decode's forwards): instrumentation that did not apply must not pass for a mode that ran."""
+    missing = [name for name, loops in cluster.event_loops().items() if not loops]
+    if cluster.params.inflight_s:
+        cluster.generate("ready in flight", max_new_tokens=4)
+        logs = {name: cluster.log_tail(name, 10**6) for name in (*cluster.servers("prefill"), *cluster.servers("decode"))}
+        missing += [f"{name} ({_inflight().ON!r})" for name, text in logs.items() if _inflight().ON not in text]
+        missing += [f"every {role} ({_inflight().WAITED!r})" for role in ("prefill", "decode")  # the probe met one of each
+                    if not any(_inflight().WAITED in text for name, text in logs.items() if role_of(name) == role)]
+    if missing:
+        raise SandboxError(f"the overlay's sgl_inflight did not report from {', '.join(missing)}\n{cluster.log_tails()}")
 
 
 def wait_ready(cluster: Cluster, names: list[str], deadline: float, ready: Callable[[str], bool]) -> None:

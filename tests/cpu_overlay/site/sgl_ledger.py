@@ -23,6 +23,8 @@ CLOCK_MONOTONIC (one clock for every process on the host):
   settled (``landed``: an ``end`` with no ``w``, for the room's oldest open
   write).
 - prefill ``srcfree`` {pages}: prefill pages went back to its free list.
+- every record, with a batch in flight (``sgl_inflight``'s mode), ``in_flight``: how many of the
+  writing process's forwards were unfinished then.
 - prefill ``call`` {room, w, entries, bytes, longest, rc}: one Mooncake engine call
   (``TransferEngine.batch_transfer_sync_write``, below every split SGLang or the
   hardened layer makes) returned (``rc`` None: it raised); ``longest`` is its longest
@@ -69,6 +71,9 @@ def _record(ev: str, **fields) -> None:
     folder = os.environ.get(DIR_ENV)
     if not folder:
         return
+    inflight = sys.modules.get("sgl_inflight")  # its mode: how many batches were unfinished then
+    if inflight and os.environ.get(inflight.DELAY_ENV):
+        fields["in_flight"] = inflight.pending()
     line = json.dumps({"t": time.monotonic(), "ev": ev, **fields}) + "\n"
     with _lock, open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as out:
         out.write(line)
