@@ -19,6 +19,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from packaging.version import Version
 from sglang_hardened.operations.oracle import generate
 from sglang_hardened.runtime import metrics
 from sglang_hardened.runtime.source_hold import HOLD_TIMEOUTS
-from sglang_hardened.sandbox.cluster import Cluster
+from sglang_hardened.sandbox.cluster import INFLIGHT_S, Cluster
 from sglang_hardened.sandbox.model import default_variant
 from sglang_hardened.sandbox.env import SandboxEnv
 from sglang_hardened.sandbox.instruments import SLOW_S, Instruments
@@ -72,10 +73,12 @@ class Build:
     tp: int = 1  # prefill's tensor-parallel ranks (test_multi_rank.py)
     decode_tp: int = 1
     dp: int = 1  # DP-attention groups on both roles, inside the TP ranks
+    mla: bool = False  # the tiny DeepSeek V3 (MLA's latent KV pool) in place of the tiny Llama
+    inflight: bool = False  # each forward's result released later than it returns (a GPU batch in flight)
 
     @property
     def model(self) -> str:
-        return default_variant(self.dp)
+        return "deepseek" if self.mla else default_variant(self.dp)
 
     @property
     def flavour(self) -> str:
@@ -94,7 +97,8 @@ class Build:
 
     @property
     def id(self) -> str:
-        return "-".join(filter(None, (self.base, self.backend, self.flavour, "tcp" * self.between_hosts, self.ranks)))
+        return "-".join(filter(None, (self.base, self.backend, self.flavour, "tcp" * self.between_hosts, self.ranks,
+                                      "mla" * self.mla, "inflight" * self.inflight)))
 
 
 def _both(base: str, backend: str, between_hosts: bool = False) -> list[Build]:
@@ -205,6 +209,7 @@ def start_fault_cluster(build: Build, folder: Path, params: dict, extra_env: tup
     env = sandbox_env(build.base, hardened=build.hardened)
     instruments = Instruments(folder).prepare()
     cluster = launch(env, build.model, backend=build.backend, **params, tp=build.tp, decode_tp=build.decode_tp, dp=build.dp,
+                     inflight_s=INFLIGHT_S if build.inflight else 0.0,
                      extra_flags=METRICS_FLAGS, extra_env=(
                          *instruments.env(), *HEARTBEAT, *extra_env,
                          f"SGLANG_FAILED_SESSION_PROBE_INTERVAL_S={PROBE_S}",
@@ -356,6 +361,14 @@ def test_prefill_stopped_past_the_release_timeout(fc):
     """SIGSTOP prefill mid-write until decode has failed the request and its release timeout
     has passed, then SIGCONT: the write lands when prefill resumes. Every upstream base
     frees the pages first (0.5.19-0.5.20 at the failure, 0.5.21+ at the timeout)."""
+    prefill_stopped_past_the_release_timeout(fc)
+
+
+def prefill_stopped_past_the_release_timeout(fc: FaultCluster, settle: Callable[[InFlight], None] = lambda req: None,
+                                             ) -> InFlight:
+    """The case above, judged (upstream: freed under the write; hardened: held until the ack);
+    the request it caught. ``settle`` runs once the write has returned, before the pages must be
+    back (test_batch_in_flight.py ends its busy request there)."""
     holds = fc.metric("decode", "holds_started_total") if fc.hardened else 0
     req = fc.catch_mid_transfer()
     req.read_answers(120)
@@ -367,6 +380,7 @@ def test_prefill_stopped_past_the_release_timeout(fc):
         resumed_at = fc.signal("prefill", signal.SIGCONT)
     assert ans.status == 500 and ans.seconds < LOST_PEER_S, ans
     wait_for(fc.ledger_dir, "end", timeout_s=30, after=req.sent_at)
+    settle(req)
     assert wait_pages_idle(fc.cluster, fc.idle) == fc.idle, "pages leaked"
     unsafe = fc.unsafe(req.room)
     held = _report(fc, "prefill stopped", req, unsafe)
@@ -380,6 +394,7 @@ def test_prefill_stopped_past_the_release_timeout(fc):
         assert fc.metric("decode", "holds_started_total") > holds, "the hold past the timeout is not counted"
     else:
         assert unsafe and all(u.write_end - u.freed_at > RELEASE_TIMEOUT_S / 2 for u in unsafe), unsafe[:3]
+    return req
 
 
 def _serves_within(cluster: Cluster, seconds: float) -> bool:
