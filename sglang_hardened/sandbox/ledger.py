@@ -68,13 +68,17 @@ def ledger_env(folder: Path, slow_s: float) -> tuple[str, str]:
     return f"{writer.DIR_ENV}={folder}", f"{writer.SLOW_ENV}={slow_s}"
 
 
-def wait_for(folder: Path, ev: str, min_pages: int = 0, timeout_s: float = 60.0, after: float = 0.0) -> dict:
+def wait_for(folder: Path, ev: str, min_pages: int = 0, timeout_s: float = 60.0, after: float = 0.0,
+             room: int | None = None) -> dict:
     """The first ``ev`` event over at least ``min_pages`` pages since ``after`` (time.monotonic(),
-    the ledger's clock), once the ledger has one."""
+    the ledger's clock), of ``room`` if given (one of several requests in flight), once the
+    ledger has one."""
     deadline = time.monotonic() + timeout_s
-    while not (seen := [e for e in Ledger(folder).of(ev) if len(e.get("pages", ())) >= min_pages and e["t"] > after]):
+    while not (seen := [e for e in Ledger(folder).of(ev) if len(e.get("pages", ())) >= min_pages and e["t"] > after
+                        and room in (None, e.get("room"))]):
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {ev!r} event over {min_pages}+ pages in {timeout_s:.0f} s")
+            raise AssertionError(f"no {ev!r} event over {min_pages}+ pages{f' of room {room}' if room else ''} "
+                                 f"in {timeout_s:.0f} s")
         time.sleep(0.05)
     return seen[0]
 

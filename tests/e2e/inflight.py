@@ -53,18 +53,39 @@ class InFlight:
 def send_mid_transfer(cluster, folder: Path, rid: str, slow_switch: Path | None = None) -> InFlight:
     """Send SLOW_PROMPT to both roles; return once prefill's write into decode has begun.
     ``slow_switch``: the cluster's SANDBOX_SLOW_SWITCH file, on for this request only."""
-    body = {"text": SLOW_PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
-            "rid": rid, **bootstrap_fields(cluster)}
     if slow_switch:
         slow_switch.touch()
-    sent_at = time.monotonic()
     try:
-        conns = {"prefill": post(cluster.prefill_url, body), "decode": post(cluster.decode_url, body)}
-        room = wait_for(folder, "begin", writer.SLOW_MIN_PAGES, after=sent_at)["room"]
+        req = _send(cluster, rid, "prefill", "decode")
+        req.room = wait_for(folder, "begin", writer.SLOW_MIN_PAGES, after=req.sent_at)["room"]
     finally:
         if slow_switch:
             slow_switch.unlink()
-    return InFlight(room, rid, sent_at, conns)
+    return req
+
+
+def send_all_mid_transfer(cluster, folder: Path, sends: list[tuple[str, str, str]],
+                          slow_switch: Path) -> list[InFlight]:
+    """Send SLOW_PROMPT once per (rid, prefill, decode) of a many-server cluster, all at once, as
+    a balancer that chose those pairs; return once every one's slowed write has begun (their
+    writes then run together, each on its own transfer queue)."""
+    slow_switch.touch()
+    try:
+        reqs = [_send(cluster, rid, prefill, decode) for rid, prefill, decode in sends]
+        for req in reqs:
+            wait_for(folder, "begin", writer.SLOW_MIN_PAGES, after=req.sent_at, room=req.room)
+    finally:
+        slow_switch.unlink()
+    return reqs
+
+
+def _send(cluster, rid: str, prefill: str, decode: str) -> InFlight:
+    """SLOW_PROMPT to ``prefill`` and ``decode`` (servers' names), answers left unread."""
+    fields = bootstrap_fields(cluster, prefill)
+    body = {"text": SLOW_PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}, "rid": rid, **fields}
+    sent_at = time.monotonic()
+    conns = {"prefill": post(cluster.procs[prefill].url, body), "decode": post(cluster.procs[decode].url, body)}
+    return InFlight(fields["bootstrap_room"], rid, sent_at, conns)
 
 
 def abort_request(cluster, role: str, rid: str) -> None:
