@@ -3,7 +3,7 @@
 Upstream's fixes for the over-pool incident came one at a time; this model
 says which interleavings of admission, allocation, transfer, abort, ack,
 timeout and crash can put another tenant's page in front of decode, and
-which hardening items (H1-H8) close them. It is pure Python, checked
+which hardening items (those `configs.Switch` names) close them. It is pure Python, checked
 exhaustively within stated bounds, so CI can run it anywhere.
 
 Modules: ``state`` (the immutable state and the workload), ``machine``

@@ -5,8 +5,8 @@ the request with its one bootstrap room (``TokenizerManager._handle_batch_reques
 0.5.19-0.5.23). On a PD pair the samples' transfers collide in that room: decode waits for
 transfers that never come, holds the pages it gave them past every timeout, and the client
 waits for ever, so any client can take decode's pool away a few pages at a time, and a
-room's late write can land after its pages went to someone else. Upstream's fixes (#24223,
-#26486, #30723, which give each sample a room of its own) are not merged; until one is
+room's late write can land after its pages went to someone else. Upstream's fixes (sglang#24223,
+sglang#26486, sglang#30723, which give each sample a room of its own) are not merged; until one is
 carried, a refusal (400) says what to do instead: send n requests with n = 1.
 """
 

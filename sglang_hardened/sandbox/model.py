@@ -12,7 +12,7 @@ heads are split over the whole TP group, not the attention-TP group, so an idle
 DP rank skips a collective the busy one runs and prefill stops; Qwen3's are
 split over attention TP, as DP attention needs), ``deepseek`` (DeepSeek V3's layout: MLA, one
 latent KV "head" of ``kv_lora_rank + qk_rope_head_dim`` per token in upstream's MLA KV pool, and a
-small MoE after one dense layer; upstream 0.5.23 runs it on CPU with no stand-in, issue #45).
+small MoE after one dense layer; upstream 0.5.23 runs it on CPU with no stand-in).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def test_a_claim_whose_test_passes_only_as_an_expected_failure_is_not_shown(tmp_
 def test_every_claim_shown_within_budget_passes_with_its_table(tmp_path):
     done = pytest_run("--tier", "full", *claimed_tests(tmp_path, catalogue()), started=time.time())
     assert done.returncode == 0, done.stdout + done.stderr
-    table = done.stdout.split("claims (docs/hardening.md)")[1]
+    table = done.stdout.split("claims (patches/hardening.toml)")[1]
     assert all(f"test_{hid}_upstream" in table and f"test_{hid}_hardened" in table for hid in catalogue()), table
 
 
