@@ -11,7 +11,9 @@ machine, load average 15-20; a 2x2 start loads four servers, about twice a pair'
 - full: a hardened 2x2 fault cluster (one start, 75-92 s) on which a prefill and a decode are
   killed and replaced (two restarts, 64-86 s each; a third when both decodes' writes would share a
   transfer queue, one run in 16), every balancer's smoke and the oracle: about 400 s. Upstream's
-  (the same again) runs in the full matrix only: it holds these faults too.
+  (the same again) runs in the full matrix only: it holds these faults too;
+- full: the incident across instances, upstream and hardened 0.5.19 on 2x2 (two starts, 100 s
+  and 147 s), 485 s.
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ import json
 import re
 import signal
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from sglang_hardened.operations.oracle import generate
+from sglang_hardened.operations.oracle import Reply, generate
 from sglang_hardened.sandbox.cluster import LBS
 from sglang_hardened.sandbox.instruments import SLOW_S
-from sglang_hardened.sandbox.ledger import Ledger
+from sglang_hardened.sandbox.ledger import Ledger, writer
 
 from .conftest import restart, sandbox_env
 from .inflight import InFlight, send_all_mid_transfer
-from .scenarios import (FITTING_C, FULL_MATRIX, METRICS_FLAGS, SLOW_PROMPT, hardened_metric, observe_pair, observe_probes,
-                        prompt_of, via_pair, wait_pages_idle)
+from .scenarios import (DEPTH, FITTING_C, FULL_MATRIX, LEAK_PARAMS, METRICS_FLAGS, OVERSIZED_B, SLOW_PROMPT, TENANT_A,
+                        hardened_metric, observe_pair, observe_probes, prompt_of, shows_nothing_decoded, via_pair,
+                        wait_pages_idle)
 from .scenarios import replies as replies_of
 from .test_fault_matrix import LOST_PEER_S, PARAMS, RELEASE_TIMEOUT_S, Build, FaultCluster, _report, on, start_fault_cluster
 
@@ -83,6 +87,41 @@ def test_hardened_decodes_refuse_only_the_smaller_prefill_and_name_it(start_clus
         assert said == [(small, str(SMALL_LIMIT))], (decode, said)
         assert hardened_metric(cluster, decode, "requests_refused_total", id="H7", reason="limit_below_decode") >= 1
         assert observe_pair(cluster, SHORT, "prefill", decode)[1].status == 200, f"{decode} stopped serving"
+
+
+# --- the incident across instances (full tier) ------------------------------------------------
+
+def tenants_apart(cluster) -> Callable[[str], Reply]:
+    """A balancer's choices for the incident: tenant A's requests through prefill and decode-1,
+    every other through prefill-1 and decode-1. The pages B is given on decode-1 last held the
+    KV another prefill wrote there for another tenant."""
+    history, other = via_pair(cluster, "prefill", "decode-1"), via_pair(cluster, "prefill-1", "decode-1")
+    return lambda prompt: (history if prompt in TENANT_A.values() else other)(prompt)
+
+
+@pytest.mark.parametrize("hardened", [False, True], ids=["upstream", "hardened"])
+def test_0519_incident_across_instances(start_cluster, tmp_path, hardened):
+    """The incident where prefills and decodes are several: tenant B's over-pool prompt, served
+    by prefill-1 and decode-1, after tenant A's history through prefill and decode-1. Upstream
+    0.5.19 answers B 200 with an output that changes with A's prompt: decode-1 decodes over
+    pages the other prefill filled for A. Hardened 0.5.19 (H7's start-up refusal overridden, as
+    the layers behind it are under test) answers B with a refusal that carries nothing decoded;
+    on both, the fitting control is history-free, no page is freed under a write (the page
+    ledger), and every server's pages come back."""
+    cluster = start_cluster(sandbox_env("0.5.19", hardened=hardened), **LEAK_PARAMS, prefills=2, decodes=2,
+                            extra_env=(*(DEPTH["extra_env"] if hardened else ()), f"{writer.DIR_ENV}={tmp_path}"))
+    idle = cluster.used_tokens()
+    v = observe_probes(cluster, {"oversized": OVERSIZED_B, "control": FITTING_C}, tenants_apart(cluster))
+    b = v["oversized"]
+    print({label: b.outputs(label) for label in b.replies})
+    assert all(r.status == 200 for r in replies_of(v["control"])) and not v["control"].leaked, v["control"].replies
+    if hardened:
+        assert shows_nothing_decoded(b), b.replies
+    else:
+        assert all(r.status == 200 for r in replies_of(b)), b.replies
+        assert b.leaked and all(a1 != a2 for a1, a2 in zip(b.outputs("A1"), b.outputs("A2"))), b.replies
+    assert wait_pages_idle(cluster, idle) == idle, "pages leaked"
+    assert not Ledger(tmp_path).unsafe_frees()
 
 
 # --- faults aimed at one server while the others serve (full tier) --------------------------
