@@ -350,13 +350,18 @@ def _bad_reply(addr: str, watcher: _Watcher, reason: str) -> None:
     time.sleep(RETRY_S)
 
 
-def _ensure_watching(addr: str, bootstrapped: Container[str]) -> None:
+def _ensure_watching(addr: str, bootstrapped: Container[str], now: float | None = None) -> None:
     """Follow the prefill at ``addr`` (host:port, an IPv6 host in brackets), if decode
-    bootstrapped from it and may follow one more."""
+    bootstrapped from it and may follow one more. A prefill already followed only has its
+    watcher's time renewed, without the lock: the scan calls this every loop iteration, and a
+    watcher that stops in between (its idle time passed) is started again on the next one."""
     global _full_said
     if addr not in bootstrapped:  # only prefills that answered upstream's own bootstrap
         return
-    now = time.monotonic()
+    now = time.monotonic() if now is None else now
+    if (watcher := _watchers.get(addr)) is not None:
+        watcher.wanted_at = now
+        return
     with _watched_lock:
         if (watcher := _watchers.get(addr)) is not None:
             watcher.wanted_at = now
@@ -374,25 +379,38 @@ def _ensure_watching(addr: str, bootstrapped: Container[str]) -> None:
     threading.Thread(target=_watch, args=(addr, watcher), name=f"hardened-h4-{addr}", daemon=True).start()
 
 
-def _bootstrap_addr(host: str, port: int) -> str:
-    """The prefill's address as decode's queue keys it (upstream's own form: IPv6 bracketed)."""
-    from sglang.srt.utils.network import NetworkAddress
+def _bootstrap_addr(req) -> str | None:
+    """The prefill's address as decode's queue keys it (upstream's own form: IPv6 bracketed), or
+    None for a request with none (warm-up's fake one included). Kept on the request: the scan
+    asks for it every loop iteration while the request is queued, and it never changes."""
+    try:
+        return req.hardened_h4_addr
+    except AttributeError:
+        pass
+    addr = None
+    if req.bootstrap_host and req.bootstrap_port and req.bootstrap_host != FAKE_BOOTSTRAP_HOST:
+        from sglang.srt.utils.network import NetworkAddress
 
-    return NetworkAddress(host, port).to_host_port_str()
+        addr = NetworkAddress(req.bootstrap_host, req.bootstrap_port).to_host_port_str()
+    req.hardened_h4_addr = addr
+    return addr
 
 
 def fail_requests_prefill_ended(scheduler) -> None:
-    """Seam in decode's queue processing: abort queued requests whose prefill already ended them."""
-    queued = [d.req for d in scheduler.disagg_decode_prealloc_queue.queue]
-    queued += [d.req for d in scheduler.disagg_decode_transfer_queue.queue]
-    ended = []
+    """Seam in decode's queue processing, every loop iteration: follow the prefills the queued
+    requests name, and abort those whose prefill already ended them. Each prefill is renewed
+    once per iteration however many requests name it; the verdicts are looked up only when
+    some have arrived."""
+    prealloc, transfer = scheduler.disagg_decode_prealloc_queue.queue, scheduler.disagg_decode_transfer_queue.queue
+    if not prealloc and not transfer:
+        return
+    queued = [d.req for d in prealloc] + [d.req for d in transfer]
     bootstrapped = scheduler.disagg_decode_prealloc_queue.kv_manager.prefill_info_table
-    for req in queued:
-        if req.bootstrap_host and req.bootstrap_port and req.bootstrap_host != FAKE_BOOTSTRAP_HOST:
-            _ensure_watching(_bootstrap_addr(req.bootstrap_host, req.bootstrap_port), bootstrapped)
-        outcome = VERDICTS.get(req.bootstrap_room)
-        if outcome is not None and not req.finished() and req.rid not in _ended_rids:
-            ended.append((req, outcome))
+    now = time.monotonic()
+    for addr in {_bootstrap_addr(req) for req in queued} - {None}:
+        _ensure_watching(addr, bootstrapped, now)
+    ended = [(req, outcome) for req in queued if (outcome := VERDICTS.get(req.bootstrap_room)) is not None
+             and not req.finished() and req.rid not in _ended_rids]
     if not ended:
         return
     from sglang.srt.managers.io_struct import AbortReq

@@ -411,3 +411,44 @@ def test_catch_up_polls_share_one_listing_and_wait_like_any_reply(monkeypatch):
     assert listed == [-1, -1], f"one listing for 30 catch-ups, one after the log changed: {listed}"
     assert took >= outcomes.COALESCE_S
     assert after["seq"] == 1001 and after["outcomes"][-1] == [5000, 400, TOO_LONG]
+
+
+def test_the_decode_scan_renews_each_prefill_once_and_builds_each_address_once(prefill_stand_in, watchers,
+                                                                              monkeypatch):
+    """The scan runs every decode loop iteration and was the costliest seam per request
+    (docs/performance.md): it built each queued request's address with upstream's
+    NetworkAddress and took the watchers' lock once per request, every iteration. Now each
+    request's address is built once, and each prefill renewed once per iteration, without the
+    lock once followed. NetworkAddress stands in for upstream's (no SGLang in this venv)."""
+    addr, _ = prefill_stand_in(GOOD)
+    host, port = addr.rsplit(":", 1)
+    built, renewed = [], []
+
+    class NetworkAddress:  # upstream's sglang.srt.utils.network.NetworkAddress, for an IPv4 host
+        def __init__(self, h: str, p: int) -> None:
+            built.append((h, p))
+            self.text = f"{h}:{p}"
+
+        def to_host_port_str(self) -> str:
+            return self.text
+
+    monkeypatch.setitem(__import__("sys").modules, "sglang.srt.utils.network", SimpleNamespace(NetworkAddress=NetworkAddress))
+    real_ensure = outcomes._ensure_watching
+    monkeypatch.setattr(outcomes, "_ensure_watching", lambda *a: renewed.append(a[0]) or real_ensure(*a))
+
+    def req(room: int, host: str | None = host) -> SimpleNamespace:
+        return SimpleNamespace(bootstrap_host=host, bootstrap_port=int(port), bootstrap_room=room, rid=f"r{room}",
+                               finished=lambda: False)
+
+    queue = [SimpleNamespace(req=req(room)) for room in (1, 2, 3)] + [SimpleNamespace(req=req(4, FAKE_BOOTSTRAP_HOST))]
+    scheduler = SimpleNamespace(
+        disagg_decode_prealloc_queue=SimpleNamespace(queue=queue[:2], kv_manager=SimpleNamespace(prefill_info_table={addr})),
+        disagg_decode_transfer_queue=SimpleNamespace(queue=queue[2:]))
+    for _ in range(3):
+        outcomes.fail_requests_prefill_ended(scheduler)
+    assert built == [(host, int(port))] * 3, "one address per request, built once"
+    assert renewed == [addr] * 3, "one renewal per iteration for the three requests naming the prefill"
+    assert list(watchers) == [addr]
+    scheduler.disagg_decode_prealloc_queue.queue, scheduler.disagg_decode_transfer_queue.queue = [], []
+    outcomes.fail_requests_prefill_ended(scheduler)
+    assert renewed == [addr] * 3, "empty queues: nothing to do"
