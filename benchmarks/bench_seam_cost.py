@@ -52,14 +52,18 @@ from sglang_hardened.pipeline.seams import runtime_seams
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.runtime.seam_cost import SEAMS_FILE, SWITCH_ENV
 from sglang_hardened.sandbox.cluster import Cluster, ClusterParams, start
+from sglang_hardened.sandbox.env import overlay_module
 from sglang_hardened.sandbox.soak.faults import group_pids
 
-ARMS = ("upstream", "hardened", "seams")  # seams: hardened with every seam timed
+CPU_ARMS = ("upstream", "hardened", "seams")  # seams: hardened with every seam timed
+SYNC_ARMS = {"upstream-syncs": "upstream", "hardened-syncs": "hardened"}  # the build each counts on
+ARMS = (*CPU_ARMS, *SYNC_ARMS)
 ROLES = ("prefill", "decode")
 SCHEDULER = "sglang::scheduler"  # SGLang's title for a scheduler process (setproctitle)
 TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
 GENERATOR_WARMUP = 1  # requests the load generator sends before its timed ones (--warmup-requests: 1 in every base)
 FRESH_S = 15.0  # how long to wait for every server process to write its seam totals again
+SYNCS_ENV = overlay_module("sgl_syncs").DIR_ENV
 
 
 def seam_list(base: str) -> dict[str, list[str]]:
@@ -83,8 +87,9 @@ def group_cpu_ns(cluster: Cluster) -> dict[str, int]:
     return found
 
 
-def seam_totals(folder: Path, cluster: Cluster, after: float) -> dict[str, list[dict]]:
-    """Per role, every server process's seam totals as written after ``after`` (time.time())."""
+def fresh_totals(folder: Path, cluster: Cluster, after: float) -> dict[str, list[dict]]:
+    """Per role, every server process's totals file in ``folder`` (the seams' or the syncs'), as
+    written after ``after`` (time.time()), once each role's scheduler has written one."""
     deadline = time.monotonic() + FRESH_S
     while True:
         found: dict[str, list[dict]] = {role: [] for role in ROLES}
@@ -99,7 +104,7 @@ def seam_totals(folder: Path, cluster: Cluster, after: float) -> dict[str, list[
         if not stale and all(any(p["title"].startswith(SCHEDULER) for p in found[role]) for role in ROLES):
             return found
         if time.monotonic() > deadline:
-            raise SystemExit(f"no fresh seam totals within {FRESH_S:.0f} s in {folder}")
+            raise SystemExit(f"no fresh totals within {FRESH_S:.0f} s in {folder}")
         time.sleep(0.1)
 
 
@@ -137,38 +142,70 @@ def seam_deltas(before: dict[str, list[dict]], after: dict[str, list[dict]]) -> 
     return found
 
 
+def sync_deltas(before: dict[str, list[dict]], after: dict[str, list[dict]]) -> dict:
+    """Per role: the syncs counted on its schedulers' loops over the window, as
+    ``{"kind|owner|site": calls}``."""
+    found = {}
+    for role in ROLES:
+        counts: dict[str, int] = defaultdict(int)
+        for sign, processes in ((-1, before[role]), (1, after[role])):
+            for process in processes:
+                for c in process["counts"]:
+                    counts[f"{c['kind']}|{c['owner']}|{c['site']}"] += sign * c["calls"]
+        found[role] = {k: n for k, n in counts.items() if n}
+    return found
+
+
 def one_cluster(base: str, arm: str, args, run: int, seams: dict[str, list[str]]) -> dict:
     """Start the arm's cluster, warm it up, run the workload between two readings, stop it."""
-    env, model = environment(base, arm != "upstream")
+    env, model = environment(base, SYNC_ARMS.get(arm, arm) != "upstream")
     with tempfile.TemporaryDirectory(prefix="seam-cost-") as tmp:
         folder = Path(tmp)
         extra_env: tuple[str, ...] = ()
         if arm == "seams":
             (folder / SEAMS_FILE).write_text(json.dumps(seams))
             extra_env = (f"{SWITCH_ENV}={folder}",)
+        elif arm in SYNC_ARMS:
+            extra_env = (f"{SYNCS_ENV}={folder}",)
+        counted = arm == "seams" or arm in SYNC_ARMS
         cluster = start(env, ClusterParams(base=base, extra_env=extra_env, extra_flags=("--enable-metrics",),
                                            **PARAMS), model)
         try:
             if args.warmup:
                 load(env, cluster, model, args, args.concurrency, args.warmup, args.seed - 1, None)
             began = time.time()
-            seams_before = seam_totals(folder, cluster, began) if arm == "seams" else None
+            totals_before = fresh_totals(folder, cluster, began) if counted else None
             cpu_before = group_cpu_ns(cluster)
             result = load(env, cluster, model, args, args.concurrency, args.prompts, args.seed + run, None)
             cpu_after = group_cpu_ns(cluster)
-            seams_after = seam_totals(folder, cluster, time.time()) if arm == "seams" else None
+            totals_after = fresh_totals(folder, cluster, time.time()) if counted else None
         finally:
             cluster.stop()
     found = {"run": run, "arm": arm, "requests": result["completed"] + GENERATOR_WARMUP, "duration": result["duration"],
              "group_cpu_ns": {role: cpu_after[role] - cpu_before[role] for role in ROLES}}
-    if seams_before is not None and seams_after is not None:
-        found["seams"] = seam_deltas(seams_before, seams_after)
+    if totals_before is not None and totals_after is not None:
+        if arm == "seams":
+            found["seams"] = seam_deltas(totals_before, totals_after)
+        else:
+            found["syncs"] = sync_deltas(totals_before, totals_after)
     return found
 
 
 def _interval(values: list[float], digits: int) -> str:
     mean, half = mean_interval(values)
     return f"{mean:.{digits}f} ± {half:.{digits}f}"
+
+
+def _per_request(measured: list[dict], role: str, ns_per_run: list[float]) -> tuple[list[float], list[float]]:
+    """Per run: CPU ns over the window as us per completed request, and as a % of the role's
+    scheduler loop's CPU per request."""
+    us = [ns / r["requests"] / 1e3 for ns, r in zip(ns_per_run, measured)]
+    return us, [100 * u * 1e3 * r["requests"] / r["seams"][role]["scheduler_ns"] for u, r in zip(us, measured)]
+
+
+def _seam_ns(run: dict, role: str, keep) -> float:
+    """The run's CPU ns over the window of the role's seam rows whose "seam|where" key ``keep`` accepts."""
+    return sum(s["cpu_ns"] for k, s in run["seams"][role]["seams"].items() if keep(k))
 
 
 def seam_table(runs: list[dict]) -> str:
@@ -182,8 +219,7 @@ def seam_table(runs: list[dict]) -> str:
         sched = [p["scheduler_ns"] / r["requests"] for p, r in zip(per_run, measured)]
 
         def line(label: str, ids: str, where: str, ns_per_run: list[float], calls: str = "") -> list[str]:
-            us = [ns / r["requests"] / 1e3 for ns, r in zip(ns_per_run, measured)]
-            share = [100 * u * 1e3 / s for u, s in zip(us, sched)]
+            us, share = _per_request(measured, role, ns_per_run)
             return [role, label, ids, where, calls, _interval(us, 2), _interval(share, 3)]
 
         for key in keys:
@@ -206,6 +242,99 @@ def seam_table(runs: list[dict]) -> str:
     return format_table(["role", "seam", "ids", "where", "calls/req", "CPU us/req", "% of scheduler CPU"], rows)
 
 
+def syncs_per_request(runs: list[dict], build: str, role: str, keep) -> list[float]:
+    """Per run of ``build``'s syncs arm: the syncs counted on the role's scheduler loop whose
+    "kind|owner|site" key ``keep`` accepts, per completed request."""
+    return [sum(n for k, n in r["syncs"][role].items() if keep(k)) / r["requests"]
+            for r in runs if SYNC_ARMS.get(r["arm"]) == build and "syncs" in r]
+
+
+def _syncs(runs: list[dict], build: str, role: str, keep) -> str:
+    found = syncs_per_request(runs, build, role, keep)
+    return _interval(found, 2) if found else "-"
+
+
+def sync_table(runs: list[dict]) -> str:
+    """Per role, owner (a seam, or upstream's own code) and kind: syncs per completed request on
+    the scheduler loop, each build, mean ± 95 % t half-width over runs; then each site of a
+    seam's syncs (which says whether a GPU node keeps that tensor on the device)."""
+    rows, sites = [], []
+    for role in ROLES:
+        keys = sorted({k for r in runs if "syncs" in r for k in r["syncs"][role]})
+        for owner_kind in sorted({(k.split("|")[1], k.split("|")[0]) for k in keys}):
+            def keep(k: str, ok=owner_kind) -> bool:
+                return (k.split("|")[1], k.split("|")[0]) == ok
+            rows.append([role, *owner_kind, *(_syncs(runs, b, role, keep) for b in SYNC_ARMS.values())])
+        rows.append([role, "all", "all", *(_syncs(runs, b, role, lambda k: True) for b in SYNC_ARMS.values())])
+        sites += [[role, *k.split("|"), _syncs(runs, "hardened", role, lambda x, k=k: x == k)]
+                  for k in keys if k.split("|")[1] != "upstream"]
+    return (format_table(["role", "owner", "kind", "upstream syncs/req", "hardened syncs/req"], rows) + "\n"
+            + format_table(["role", "kind", "seam", "site", "hardened syncs/req"], sites))
+
+
+def summary_table(runs: list[dict]) -> str:
+    """The table docs/performance.md opens with: per role and seam (every thread it runs on), its
+    CPU us per request and share of the scheduler loop's CPU, and the syncs per request on the
+    scheduler loop, upstream (the seam is not there) and hardened; then upstream's own code's
+    syncs on each build, and the totals."""
+    measured = [r for r in runs if "seams" in r]
+    rows = []
+
+    def syncs(role: str, keep) -> list[str]:
+        return [_syncs(runs, build, role, keep) for build in SYNC_ARMS.values()]
+
+    for role in ROLES:
+        seams = sorted({k.split("|")[0] for r in measured for k in r["seams"][role]["seams"]})
+        for seam in seams:
+            us, share = _per_request(measured, role, [_seam_ns(r, role, lambda k: k.split("|")[0] == seam)
+                                                      for r in measured])
+            ids = next(r["seams"][role]["seams"][k]["ids"] for r in measured for k in r["seams"][role]["seams"]
+                       if k.split("|")[0] == seam)
+            if sum(us) > 0:
+                rows.append([role, seam, ",".join(ids), _interval(us, 1), _interval(share, 3), "-",
+                             syncs(role, lambda k: k.split("|")[1] == seam)[1]])
+        us, share = _per_request(measured, role, [_seam_ns(r, role, lambda k: True) for r in measured])
+        rows.append([role, "all seams", "", _interval(us, 1), _interval(share, 3), "-",
+                     syncs(role, lambda k: k.split("|")[1] != "upstream")[1]])
+        rows.append([role, "upstream's own code", "", "", "", *syncs(role, lambda k: k.split("|")[1] == "upstream")])
+        rows.append([role, "scheduler loop, all", "", "", "100", *syncs(role, lambda k: True)])
+    both = [100 * sum(_seam_ns(r, role, lambda k: True) for role in ROLES)
+            / sum(r["seams"][role]["scheduler_ns"] for role in ROLES) for r in measured]
+    rows.append(["both", "all seams / both scheduler loops", "", "", _interval(both, 3), "", ""])
+    return format_table(["role", "seam", "ids", "CPU us/req", "% of scheduler CPU", "syncs/req upstream",
+                         "syncs/req hardened"], rows)
+
+
+def plot(runs: list[dict], path: Path, title: str) -> None:
+    """A PNG: each seam's CPU us per request (log scale) with its 95 % interval, by role."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a server or in CI
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in runs if "seams" in r]
+    fig, axes = plt.subplots(1, len(ROLES), figsize=(11, 4.8), squeeze=False)
+    for ax, role in zip(axes[0], ROLES):
+        found = []
+        for seam in sorted({k.split("|")[0] for r in measured for k in r["seams"][role]["seams"]}):
+            us, _ = _per_request(measured, role, [_seam_ns(r, role, lambda k, s=seam: k.split("|")[0] == s)
+                                                  for r in measured])
+            mean, half = mean_interval(us)
+            if mean > 0:
+                found.append((seam, mean, half))
+        labels, means, halves = zip(*found) if found else ((), (), ())
+        lows = [min(h, m * 0.999) for m, h in zip(means, halves)]  # a log axis has no room below zero
+        ax.barh(range(len(found)), means, xerr=[lows, halves], color="tab:blue", capsize=3)
+        ax.set_yticks(range(len(found)), labels, fontsize=7)
+        ax.set_xscale("log")
+        ax.set(title=role, xlabel="CPU us per request (95 % interval)")
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def cpu_table(runs: list[dict]) -> str:
     """Per role: each arm's process-group CPU per request (median over runs), and the ratios
     hardened/upstream and seams/hardened by run, median with the distribution-free interval."""
@@ -217,7 +346,7 @@ def cpu_table(runs: list[dict]) -> str:
             return sum(r["group_cpu_ns"][x] for x in (ROLES if role == "both" else (role,))) / r["requests"]
 
         row = [role]
-        for arm in ARMS:
+        for arm in CPU_ARMS:
             ms = sorted(per_request(by[run, arm]) / 1e6 for run in done if (run, arm) in by)
             row.append(f"{ms[len(ms) // 2]:.1f}" if ms else "-")
         for arm, baseline in (("hardened", "upstream"), ("seams", "hardened")):
@@ -229,14 +358,33 @@ def cpu_table(runs: list[dict]) -> str:
             else:
                 row.append("-")
         rows.append(row)
-    return format_table(["role", *(f"{a} CPU ms/req" for a in ARMS), "hardened/upstream", "seams/hardened"], rows)
+    return format_table(["role", *(f"{a} CPU ms/req" for a in CPU_ARMS), "hardened/upstream", "seams/hardened"],
+                        rows)
+
+
+def merged(saved: list[dict]) -> dict:
+    """Several runs' --json (of one base) as one: their runs, each keeping its command."""
+    if len({s["base"] for s in saved}) != 1:
+        raise SystemExit(f"--report files of one base only, not {sorted({s['base'] for s in saved})}")
+    return {**saved[0], "command": " ; ".join(s["command"] for s in saved), "date": max(s["date"] for s in saved),
+            "runs": [{**r, "run": (i, r["run"])} for i, s in enumerate(saved) for r in s["runs"]]}
 
 
 def report(saved: dict) -> None:
     print(f"{saved['base']}, {saved['date']}, {saved['cores']} cores: {saved['command']}")
-    if any("seams" in r for r in saved["runs"]):
-        print("per seam: mean ± 95 % t half-width over runs; CPU per completed request, timer's cost subtracted")
-        print(seam_table(saved["runs"]))
+    runs = saved["runs"]
+    if any("seams" in r for r in runs) and any("syncs" in r for r in runs):
+        print("per seam: CPU per completed request and its share of the scheduler loop's (every thread the seam "
+              "runs on), syncs per completed request on the scheduler loop; mean ± 95 % t half-width over runs")
+        print(summary_table(runs))
+    if any("seams" in r for r in runs):
+        print("per seam and thread: mean ± 95 % t half-width over runs; CPU per completed request, timer's cost "
+              "subtracted")
+        print(seam_table(runs))
+    if any("syncs" in r for r in runs):
+        print("syncs on the scheduler loop per completed request (calls that wait for a GPU there; on this CPU, an "
+              "upper bound): mean ± 95 % t half-width over runs")
+        print(sync_table(runs))
     print("server process groups' CPU per completed request: median over runs; ratios with the "
           "distribution-free interval (its coverage)")
     print(cpu_table(saved["runs"]))
@@ -253,10 +401,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=32, help="completed requests per run (default 32)")
     serving_options(parser)
     parser.add_argument("--json", type=Path, help="write every run here")
-    parser.add_argument("--report", type=Path, metavar="JSON", help="print a run's --json tables again, without running")
+    parser.add_argument("--plot", type=Path, help="write a PNG of each seam's CPU per request here")
+    parser.add_argument("--report", type=Path, nargs="+", metavar="JSON",
+                        help="print the tables of one or more runs' --json (one base) again, without running")
     args = parser.parse_args(argv)
     if args.report:
-        report(json.loads(args.report.read_text()))
+        saved = merged([json.loads(path.read_text()) for path in args.report])
+        report(saved)
+        if args.plot:
+            plot(saved["runs"], args.plot, f"{saved['base']}, {saved['date']}: {saved['command']}")
         return
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or set(arms) - set(ARMS) or args.runs < 1 or args.prompts < 1 or args.warmup < 0:
@@ -273,6 +426,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:  # after every cluster: a run that fails later keeps what it measured
             args.json.write_text(json.dumps(saved, indent=1))
     report(saved)
+    if args.plot and any("seams" in r for r in saved["runs"]):
+        plot(saved["runs"], args.plot, f"{saved['base']}, {saved['date']}: {command}")
 
 
 if __name__ == "__main__":
