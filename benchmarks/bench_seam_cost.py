@@ -42,9 +42,9 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench_serving_ab import PARAMS, environment, load, median_interval  # benchmarks/ is on sys.path
+from bench_serving_ab import PARAMS, environment, load  # benchmarks/ is on sys.path
 from cli_args import serving_options
-from stats import mean_interval
+from stats import mean_interval, median_interval
 
 from sglang_hardened.common.paths import patches_dir
 from sglang_hardened.common.table import format_table

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import random
 import statistics
@@ -49,6 +48,7 @@ from pathlib import Path
 from abort_storm import METRICS as STORM_METRICS  # benchmarks/ is on sys.path when run as a script
 from abort_storm import storms
 from cli_args import ints, serving_options
+from stats import median_interval
 
 from sglang_hardened.common.table import format_table
 from sglang_hardened.runtime.page_tags_switch import TAGS_ENV
@@ -85,20 +85,6 @@ def schedule(arms: list[str], pairs: int, seed: int) -> list[tuple[int, str]]:
     arm more than on another."""
     rng = random.Random(seed)
     return [(p, arm) for p in range(pairs) for arm in rng.sample(arms, len(arms))]
-
-
-def median_interval(values: list[float]) -> tuple[float, float, float, float]:
-    """(median, low, high, coverage): the median and the narrowest order-statistic interval
-    [x(k), x(n+1-k)] that holds it with at least 95 % whatever the distribution. Under six
-    values none does: then the range, with the coverage it has (93.75 % for five). (A
-    percentile bootstrap of the median gives that same range at five and claims 95 %.)"""
-    xs, n = sorted(values), len(values)
-
-    def covers(k: int) -> float:  # 1 - 2 P(Binomial(n, 1/2) < k)
-        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
-
-    k = max((k for k in range(1, n // 2 + 1) if covers(k) >= 0.95), default=1)
-    return statistics.median(xs), xs[k - 1], xs[n - k], covers(k)
 
 
 def ratios(runs: list[dict], arms: list[str], level: str = "concurrency", metrics=METRICS) -> list[dict]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import statistics
+
 
 def quantile(values: list[float], q: float) -> float:
     """The value at rank ``int(q * n)`` of the sorted values (for n <= 100 the 0.99 quantile is
@@ -27,3 +30,17 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
     df = n - 1
     t = _T95[df - 1] if df <= len(_T95) else 1.960 + 2.4 / df  # past 30: within 0.002 of the table
     return mean, t * sd / n ** 0.5
+
+
+def median_interval(values: list[float]) -> tuple[float, float, float, float]:
+    """(median, low, high, coverage): the median and the narrowest order-statistic interval
+    [x(k), x(n+1-k)] that holds it with at least 95 % whatever the distribution. Under six
+    values none does: then the range, with the coverage it has (93.75 % for five). (A
+    percentile bootstrap of the median gives that same range at five and claims 95 %.)"""
+    xs, n = sorted(values), len(values)
+
+    def covers(k: int) -> float:  # 1 - 2 P(Binomial(n, 1/2) < k)
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = max((k for k in range(1, n // 2 + 1) if covers(k) >= 0.95), default=1)
+    return statistics.median(xs), xs[k - 1], xs[n - k], covers(k)
