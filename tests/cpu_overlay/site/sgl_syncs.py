@@ -33,6 +33,8 @@ import time
 DIR_ENV = "SANDBOX_SYNCS_DIR"
 WRITE_EVERY_S = 0.5
 RUNTIME = "sglang_hardened.runtime."
+FORWARD = ("model_executor", "layers")  # SGLang's model execution, under sglang/srt/
+HARNESS = "sgl_"  # this overlay's modules (their sites are their file names)
 # aten overload packets that make the host wait for the device on CUDA
 SYNC_OPS = {"equal": "equal", "_local_scalar_dense": "item", "nonzero": "nonzero", "masked_select": "nonzero",
             "unique": "nonzero", "_unique": "nonzero", "_unique2": "nonzero", "unique_dim": "nonzero",
@@ -45,9 +47,13 @@ _on = threading.local()  # ``active``: this thread is counted
 
 
 def _origin() -> tuple[str, str]:
-    """(owner, site) of the call being counted: the outermost hardened runtime frame on the stack
-    as ``module.function`` (else ``upstream``), and the innermost frame outside torch and here."""
-    owner, site = "upstream", "?"
+    """(owner, site) of the call being counted. The owner: the outermost hardened runtime frame
+    on the stack as ``module.function`` (a seam); else ``harness`` when the site is this
+    overlay's own instrumentation (``sgl_*``: it runs on upstream and hardened alike, and not in
+    production); else ``upstream forward`` under SGLang's model execution (``model_executor/``,
+    ``layers/``: on a GPU, other kernels and CUDA graphs, not this CPU path); else ``upstream``.
+    The site: the innermost frame outside torch and this file."""
+    owner, site, forward = None, "?", False
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
@@ -56,7 +62,10 @@ def _origin() -> tuple[str, str]:
             site = f"{_short(path)}:{frame.f_lineno}"
         if name.startswith(RUNTIME):
             owner = f"{name[len(RUNTIME):]}.{frame.f_code.co_name}"
+        forward = forward or any(f"sglang/srt/{part}/" in path for part in FORWARD)
         frame = frame.f_back
+    if owner is None:
+        owner = "harness" if site.startswith(HARNESS) else "upstream forward" if forward else "upstream"
     return owner, site
 
 
