@@ -55,8 +55,13 @@ from sglang_hardened.sandbox.cluster import Cluster, ClusterParams, start
 from sglang_hardened.sandbox.env import overlay_module
 from sglang_hardened.sandbox.soak.faults import group_pids
 
+UPSTREAM_OWNERS = ("upstream", "upstream forward", "harness")  # the syncs counter's owners that are no seam
+SITE_DIFFERS = 0.5  # syncs per request between builds that make an upstream site worth listing
 CPU_ARMS = ("upstream", "hardened", "seams")  # seams: hardened with every seam timed
-SYNC_ARMS = {"upstream-syncs": "upstream", "hardened-syncs": "hardened"}  # the build each counts on
+# the syncs arms, each counting on one build: upstream's, hardened's, and hardened's started as operators
+# start it (`sglang-hardened launch`: H10's policy flags on, among them 0.5.23's KV checksum, which
+# verifies each request on decode where H8 checks it)
+SYNC_ARMS = {"upstream-syncs": "upstream", "hardened-syncs": "hardened", "launched-syncs": "launched"}
 ARMS = (*CPU_ARMS, *SYNC_ARMS)
 ROLES = ("prefill", "decode")
 SCHEDULER = "sglang::scheduler"  # SGLang's title for a scheduler process (setproctitle)
@@ -169,7 +174,7 @@ def one_cluster(base: str, arm: str, args, run: int, seams: dict[str, list[str]]
             extra_env = (f"{SYNCS_ENV}={folder}",)
         counted = arm == "seams" or arm in SYNC_ARMS
         cluster = start(env, ClusterParams(base=base, extra_env=extra_env, extra_flags=("--enable-metrics",),
-                                           **PARAMS), model)
+                                           via_launch=arm == "launched-syncs", **PARAMS), model)
         try:
             if args.warmup:
                 load(env, cluster, model, args, args.concurrency, args.warmup, args.seed - 1, None)
@@ -255,21 +260,25 @@ def _syncs(runs: list[dict], build: str, role: str, keep) -> str:
 
 
 def sync_table(runs: list[dict]) -> str:
-    """Per role, owner (a seam, or upstream's own code) and kind: syncs per completed request on
-    the scheduler loop, each build, mean ± 95 % t half-width over runs; then each site of a
-    seam's syncs (which says whether a GPU node keeps that tensor on the device)."""
+    """Per role, owner (a seam, upstream's code, its CPU forward, the harness) and kind: syncs per
+    completed request on the scheduler loop, each build, mean ± 95 % t half-width over runs; then
+    the sites of every seam's syncs and of upstream's whose count differs between the builds by
+    SITE_DIFFERS a request (which says whether a GPU node keeps that tensor on the device)."""
     rows, sites = [], []
+    builds = list(SYNC_ARMS.values())
     for role in ROLES:
         keys = sorted({k for r in runs if "syncs" in r for k in r["syncs"][role]})
         for owner_kind in sorted({(k.split("|")[1], k.split("|")[0]) for k in keys}):
             def keep(k: str, ok=owner_kind) -> bool:
                 return (k.split("|")[1], k.split("|")[0]) == ok
-            rows.append([role, *owner_kind, *(_syncs(runs, b, role, keep) for b in SYNC_ARMS.values())])
-        rows.append([role, "all", "all", *(_syncs(runs, b, role, lambda k: True) for b in SYNC_ARMS.values())])
-        sites += [[role, *k.split("|"), _syncs(runs, "hardened", role, lambda x, k=k: x == k)]
-                  for k in keys if k.split("|")[1] != "upstream"]
-    return (format_table(["role", "owner", "kind", "upstream syncs/req", "hardened syncs/req"], rows) + "\n"
-            + format_table(["role", "kind", "seam", "site", "hardened syncs/req"], sites))
+            rows.append([role, *owner_kind, *(_syncs(runs, b, role, keep) for b in builds)])
+        rows.append([role, "all", "all", *(_syncs(runs, b, role, lambda k: True) for b in builds)])
+        for key in keys:
+            means = [sum(f) / len(f) for b in builds if (f := syncs_per_request(runs, b, role, lambda k: k == key))]
+            if key.split("|")[1] not in UPSTREAM_OWNERS or max(means) - min(means) >= SITE_DIFFERS:
+                sites.append([role, *key.split("|"), *(_syncs(runs, b, role, lambda k, x=key: k == x) for b in builds)])
+    return (format_table(["role", "owner", "kind", *(f"{b} syncs/req" for b in builds)], rows) + "\n"
+            + format_table(["role", "kind", "owner", "site", *(f"{b} syncs/req" for b in builds)], sites))
 
 
 def summary_table(runs: list[dict]) -> str:
@@ -292,17 +301,18 @@ def summary_table(runs: list[dict]) -> str:
                        if k.split("|")[0] == seam)
             if sum(us) > 0:
                 rows.append([role, seam, ",".join(ids), _interval(us, 1), _interval(share, 3), "-",
-                             syncs(role, lambda k: k.split("|")[1] == seam)[1]])
+                             *syncs(role, lambda k: k.split("|")[1] == seam)[1:]])
         us, share = _per_request(measured, role, [_seam_ns(r, role, lambda k: True) for r in measured])
         rows.append([role, "all seams", "", _interval(us, 1), _interval(share, 3), "-",
-                     syncs(role, lambda k: k.split("|")[1] != "upstream")[1]])
-        rows.append([role, "upstream's own code", "", "", "", *syncs(role, lambda k: k.split("|")[1] == "upstream")])
+                     *syncs(role, lambda k: k.split("|")[1] not in UPSTREAM_OWNERS)[1:]])
+        for owner in UPSTREAM_OWNERS:
+            rows.append([role, f"({owner})", "", "", "", *syncs(role, lambda k, o=owner: k.split("|")[1] == o)])
         rows.append([role, "scheduler loop, all", "", "", "100", *syncs(role, lambda k: True)])
     both = [100 * sum(_seam_ns(r, role, lambda k: True) for role in ROLES)
             / sum(r["seams"][role]["scheduler_ns"] for role in ROLES) for r in measured]
-    rows.append(["both", "all seams / both scheduler loops", "", "", _interval(both, 3), "", ""])
-    return format_table(["role", "seam", "ids", "CPU us/req", "% of scheduler CPU", "syncs/req upstream",
-                         "syncs/req hardened"], rows)
+    rows.append(["both", "all seams / both scheduler loops", "", "", _interval(both, 3), *[""] * len(SYNC_ARMS)])
+    return format_table(["role", "seam", "ids", "CPU us/req", "% of scheduler CPU",
+                         *(f"syncs/req {b}" for b in SYNC_ARMS.values())], rows)
 
 
 def plot(runs: list[dict], path: Path, title: str) -> None:
