@@ -21,9 +21,10 @@ Arms, interleaved in a random order each repeat:
 
 - ``upstream``: no check.
 - ``sync``: the check as the runtime runs it on CUDA (``DecodePageTags.check``, the torch row
-  path: a gather, then ``torch.equal``, whose answer the host waits for). Behind the barrier, it
-  waits for the forward in flight: the host cannot prepare the next step meanwhile.
-- ``async``: the same gather and compare left on the device, the verdict copied to pinned
+  path: a gather and two compares on the device, then the verdict read on the host, which waits
+  for it). Behind the barrier, it waits for the forward in flight: the host cannot prepare the
+  next step meanwhile.
+- ``async``: the same gather and compares (``TorchRows.matching``) left on the device, the verdict copied to pinned
   memory with an event; read at a later iteration's admission once the event has completed
   (``Event.query``, no wait), before the request joins a batch (its first decode step), so a
   request may start a step later. What the runtime would need for the check to stay off the
@@ -133,8 +134,7 @@ class Loop:
         if arm == "sync":
             self._verdict(self.tags.check(room, pages) is None)
         elif arm == "async":
-            got = self.tags.buffer.rows.index_select(0, pages)
-            ok = (got[:, 0::TAG_WORDS] == room).logical_and_(got[:, 1::TAG_WORDS] == self.tags.expected[room]).all()
+            ok = self.tags.buffer.ops.matching(pages, room, self.tags.expected[room]).all()
             verdict = torch.empty((), dtype=torch.bool, pin_memory=self.streams.cuda)
             verdict.copy_(ok, non_blocking=True)
             self.pending.append((room, self.streams.event(), verdict))

@@ -81,14 +81,20 @@ class TorchRows:
         """Reset the rows to UNSTAMPED."""
         self.rows.index_fill_(0, idx, UNSTAMPED)
 
-    def bad_pages(self, idx: torch.Tensor, room: int, epoch: int) -> int:
-        """Pages among `idx` with a slot that is not (room, epoch): 0 in one gather, one compare
-        and one sync; only a refusal pays for counting."""
+    def matching(self, idx: torch.Tensor, room: int, epoch: int) -> torch.Tensor:
+        """Per page among `idx`, whether every slot holds (room, epoch), left on the device: a
+        gather and two compares with scalars (a row of (room, epoch) made on the host would be a
+        host-to-device copy, which waits for the stream on CUDA)."""
         got = self.rows.index_select(0, idx)
-        expect = torch.tensor([room, epoch] * (self.rows.shape[1] // TAG_WORDS), device=self.rows.device)
-        if torch.equal(got, expect.expand_as(got)):
+        return got[:, 0::TAG_WORDS].eq(room).logical_and_(got[:, 1::TAG_WORDS].eq(epoch)).all(dim=1)
+
+    def bad_pages(self, idx: torch.Tensor, room: int, epoch: int) -> int:
+        """Pages among `idx` with a slot that is not (room, epoch): 0 with one wait for the
+        device (the verdict read on the host); only a refusal pays for counting."""
+        matching = self.matching(idx, room, epoch)
+        if bool(matching.all()):
             return 0
-        return int(got.ne(expect).any(dim=1).sum())
+        return int(matching.logical_not().sum())
 
 
 class NumpyRows:

@@ -4,6 +4,8 @@ streams, nothing beside the host), and the GPU's await a device (docs/performanc
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.harness import REPO
@@ -14,7 +16,10 @@ def gpu_overlap(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import gpu_overlap
 
-    return gpu_overlap
+    runtime_log = logging.getLogger("sglang_hardened")
+    level = runtime_log.level
+    yield gpu_overlap
+    runtime_log.setLevel(level)  # main() quiets the expected refusals: not for the tests after this one
 
 
 def test_every_arm_runs_and_the_checking_arms_refuse_exactly_the_unstamped_requests(gpu_overlap, capsys):
