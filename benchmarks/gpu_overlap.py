@@ -11,7 +11,9 @@ Each iteration, on the scheduler's own stream: admit the requests whose transfer
 of the host's own work, plus a small op on the scheduler's stream); launch the forward on a
 side stream (``--layers`` matmuls of ``--batch`` x ``--hidden``, the next tokens copied to
 pinned memory with an event), after which the scheduler's stream waits for the forward (the
-write-after-read barrier in its coarse form, ``Scheduler._apply_war_barrier``); then process
+write-after-read barrier, ``Scheduler._apply_war_barrier``: in its coarse form by default,
+``--barrier early`` for its fine one, which waits only for the forward's first layer, as a decode
+CUDA graph's in-graph marker lets it); then process
 the previous step's result (its event waited for: upstream's own synchronisation, once a step).
 A request is admitted every ``--admit-every`` steps, its pages (``--pages`` rows of the tag
 table) stamped beforehand as a transfer leaves them; every ``--fault-every``-th one is not
@@ -156,16 +158,22 @@ class Loop:
         self.refused += not ok
 
     def forward(self) -> object:
-        """One step's forward on the side stream; its next tokens copied out; the event after."""
+        """One step's forward on the side stream; its next tokens copied out; the event after;
+        then the scheduler's stream made to wait for it (``--barrier``)."""
         s = self.streams
         s.wait(s.forward, s.schedule)
         with s.on(s.forward):
             x = self.x
-            for w in self.weights:
+            for layer, w in enumerate(self.weights):
                 x = torch.tanh(x @ w)
+                if layer == 0:
+                    read_done = s.event()  # the forward's reads of the scheduler's buffers are over
             self.next_tokens.copy_(x.argmax(dim=1), non_blocking=True)
             done = s.event()
-        s.wait(s.schedule, s.forward)  # the coarse write-after-read barrier
+        if self.args.barrier == "forward":
+            s.wait(s.schedule, s.forward)
+        elif s.cuda:
+            s.schedule.wait_event(read_done)
         return done
 
 
@@ -251,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--admit-every", type=int, default=2, help="steps per admitted request")
     parser.add_argument("--pages", type=int, default=32, help="pages per admitted request")
     parser.add_argument("--fault-every", type=int, default=10, help="every Nth request's pages are left unstamped")
+    parser.add_argument("--barrier", choices=("forward", "early"), default="forward",
+                        help="what the scheduler's stream waits for after a launch: the whole forward (SGLang's "
+                             "coarse barrier) or its first layer (the fine one)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     if min(args.steps, args.repeats, args.admit_every, args.pages, args.layers) < 1 or args.prepare_us < 0:
@@ -259,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     found = measure(args)
     device = torch.device(args.device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU: degenerate, measures nothing"
-    print(f"{card}; batch {args.batch} x {args.hidden}, {args.layers} layers, prepare {args.prepare_us:.0f} us, "
+    print(f"{card}; batch {args.batch} x {args.hidden}, {args.layers} layers, {args.barrier} barrier, "
+          f"prepare {args.prepare_us:.0f} us, "
           f"a request every {args.admit_every} steps, {args.pages} pages each, {args.repeats} repeats of "
           f"{args.steps} steps")
     print(report(found))

@@ -22,9 +22,10 @@ def gpu_overlap(monkeypatch):
     runtime_log.setLevel(level)  # main() quiets the expected refusals: not for the tests after this one
 
 
-def test_every_arm_runs_and_the_checking_arms_refuse_exactly_the_unstamped_requests(gpu_overlap, capsys):
-    gpu_overlap.main(["--device", "cpu", "--steps", "6", "--repeats", "2", "--batch", "4", "--hidden", "16",
-                      "--layers", "1", "--prepare-us", "0", "--admit-every", "2", "--pages", "3", "--fault-every", "3"])
+@pytest.mark.parametrize("barrier", ["forward", "early"])
+def test_every_arm_runs_and_the_checking_arms_refuse_exactly_the_unstamped_requests(gpu_overlap, capsys, barrier):
+    gpu_overlap.main(["--device", "cpu", "--barrier", barrier, "--layers", "2", "--steps", "6", "--repeats", "2", "--batch", "4", "--hidden", "16",
+                      "--prepare-us", "0", "--admit-every", "2", "--pages", "3", "--fault-every", "3"])
     out = capsys.readouterr().out
     assert "CPU: degenerate, measures nothing" in out
     rows = {line.split()[0]: line for line in out.splitlines()[3:]}
