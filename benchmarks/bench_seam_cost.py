@@ -255,15 +255,24 @@ def syncs_per_request(runs: list[dict], build: str, role: str, keep) -> list[flo
 
 
 def _syncs(runs: list[dict], build: str, role: str, keep) -> str:
+    """Mean ± 95 % t half-width over the build's runs; one run's count alone (a count's repeats
+    differ only by how requests batched); "-" without a run of that build."""
     found = syncs_per_request(runs, build, role, keep)
-    return _interval(found, 2) if found else "-"
+    return (f"{found[0]:.2f}" if len(found) == 1 else _interval(found, 2)) if found else "-"
+
+
+def _place(key: str) -> str:
+    """A "kind|owner|site" key with an upstream owner's site cut to its file."""
+    kind, owner, site = key.split("|")
+    return f"{kind}|{owner}|{site.rsplit(':', 1)[0] if owner in UPSTREAM_OWNERS else site}"
 
 
 def sync_table(runs: list[dict]) -> str:
     """Per role, owner (a seam, upstream's code, its CPU forward, the harness) and kind: syncs per
     completed request on the scheduler loop, each build, mean ± 95 % t half-width over runs; then
-    the sites of every seam's syncs and of upstream's whose count differs between the builds by
-    SITE_DIFFERS a request (which says whether a GPU node keeps that tensor on the device)."""
+    the sites of every seam's syncs, and the files of upstream's whose count differs between
+    the builds by SITE_DIFFERS a request (the patches move upstream's lines, so its sites are
+    compared by file): they say whether a GPU node keeps that tensor on the device."""
     rows, sites = [], []
     builds = list(SYNC_ARMS.values())
     for role in ROLES:
@@ -273,10 +282,12 @@ def sync_table(runs: list[dict]) -> str:
                 return (k.split("|")[1], k.split("|")[0]) == ok
             rows.append([role, *owner_kind, *(_syncs(runs, b, role, keep) for b in builds)])
         rows.append([role, "all", "all", *(_syncs(runs, b, role, lambda k: True) for b in builds)])
-        for key in keys:
-            means = [sum(f) / len(f) for b in builds if (f := syncs_per_request(runs, b, role, lambda k: k == key))]
-            if key.split("|")[1] not in UPSTREAM_OWNERS or max(means) - min(means) >= SITE_DIFFERS:
-                sites.append([role, *key.split("|"), *(_syncs(runs, b, role, lambda k, x=key: k == x) for b in builds)])
+        for place in sorted({_place(k) for k in keys}):
+            def here(k: str, x=place) -> bool:
+                return _place(k) == x
+            means = [sum(f) / len(f) for b in builds if (f := syncs_per_request(runs, b, role, here))]
+            if place.split("|")[1] not in UPSTREAM_OWNERS or max(means) - min(means) >= SITE_DIFFERS:
+                sites.append([role, *place.split("|"), *(_syncs(runs, b, role, here) for b in builds)])
     return (format_table(["role", "owner", "kind", *(f"{b} syncs/req" for b in builds)], rows) + "\n"
             + format_table(["role", "kind", "owner", "site", *(f"{b} syncs/req" for b in builds)], sites))
 
