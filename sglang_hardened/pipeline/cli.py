@@ -53,17 +53,24 @@ def fetch(base: str | None, all_bases: bool, refresh: bool) -> None:
 @click.command()
 @click.option("--base", help="Upstream release, e.g. 0.5.23.")
 @click.option("--all", "all_bases", is_flag=True, help="Every supported base.")
-def verify(base: str | None, all_bases: bool) -> None:
-    """Check each series: headers, listing, and a dry run on the pinned upstream.
+@click.option("--seams-index", type=click.Path(path_type=Path), metavar="PATH",
+              help="Also write where each patch calls the runtime, per base, as Markdown (docs/seams.md).")
+def verify(base: str | None, all_bases: bool, seams_index: Path | None) -> None:
+    """Check each series: headers, listing, the seam rule, and a dry run on the pinned upstream.
 
     \b
     Example:
       sglang-hardened verify --all
+      sglang-hardened verify --all --seams-index docs/seams.md
     """
-    from .verify import verify_base
+    from .seams import index_markdown
+    from .verify import verify_and_index
 
     patches = patches_dir()
-    rows = [r for name in _bases(base, all_bases) for r in verify_base(patches, name)]
+    checked = {name: verify_and_index(patches, name) for name in _bases(base, all_bases)}
+    rows = [r for found, _ in checked.values() for r in found]
+    if seams_index is not None:
+        seams_index.write_text(index_markdown({name: sites for name, (_, sites) in checked.items()}))
     click.echo(format_table(("base", "patch", "id", "status"),
                             [(r.base, r.patch, r.hardening_id, r.status) for r in rows]))
     if not all(r.ok for r in rows):

@@ -117,7 +117,7 @@ def _drop_newline(hunk: Hunk, tag: str) -> None:
         side[-1] = side[-1].removesuffix("\n")
 
 
-def _find(lines: list[str], block: list[str], expected: int) -> int | None:
+def locate(lines: list[str], block: list[str], expected: int) -> int | None:
     """Index of `block` in `lines` nearest to `expected`, or None."""
     if not block:
         return min(max(expected, 0), len(lines))
@@ -156,9 +156,9 @@ def apply_file(root: Path, fp: FilePatch, *, write: bool) -> FileResult:
     offset = 0  # where the last hunk was found, relative to where it said
     for number, hunk in enumerate(fp.hunks, 1):
         stated = max(hunk.old_start - 1, 0) + delta
-        pos = _find(lines, hunk.old, stated + offset)
+        pos = locate(lines, hunk.old, stated + offset)
         if pos is None:
-            if all(_find(lines, h.new, 0) is not None for h in fp.hunks):
+            if all(locate(lines, h.new, 0) is not None for h in fp.hunks):
                 return FileResult(fp.target, [], already_applied=True)
             raise HunkFailed(fp.target, number, hunk, "context not found")
         offset = pos - stated

@@ -47,19 +47,26 @@ def same_sources(pins: list[UpstreamPin], wheels: list[Path]) -> str:
 
 def verify_base(patches: Path, base: str) -> list[PatchStatus]:
     """Rows for one base; a series-level fault is one failed row naming it."""
+    return verify_and_index(patches, base)[0]
+
+
+def verify_and_index(patches: Path, base: str) -> tuple[list[PatchStatus], list[seams.Site]]:
+    """``verify_base``'s rows, and the base's seams as its patches apply (docs/seams.md)."""
     try:
         pins = get_wheels(patches, base)
         series = load_series(patches, base)
         wheels = [fetch_wheel(pin) for pin in pins]
     except HardenedError as exc:
-        return [PatchStatus(base, "(series)", "-", f"FAILED: {exc}")]
+        return [PatchStatus(base, "(series)", "-", f"FAILED: {exc}")], []
     touched = {fp.target for p in series.patches for fp in unidiff.parse(p.diff)}
     files = read_members(wheels[0], touched)  # a dry run need not unpack 40 MB
     rows = [PatchStatus(base, f"(sources of {len(pins)} wheels)", "-", same_sources(pins, wheels))]
+    index = seams.SiteIndex()
     for patch in series.patches:
         try:
             files, results = unidiff.apply_to_files(files, patch.diff)
             status = _describe(results)
+            index.add(patch.name.removesuffix(".patch"), patch.diff, files)
         except HardenedError as exc:
             status = f"FAILED: {exc}"
         if status.startswith("ok") and (glue := seams.over_budget(patch.headers["Origin"], patch.diff)):
@@ -67,4 +74,4 @@ def verify_base(patches: Path, base: str) -> list[PatchStatus]:
                 f"({len(lines)} > {seams.GLUE_LINES_MAX} lines in {path}: {', '.join(lines[:4])})"
                 for path, lines in glue.items())
         rows.append(PatchStatus(base, patch.name, patch.hardening_id, status))
-    return rows
+    return rows, index.sites

@@ -179,8 +179,10 @@ def test_every_wheel_upstream_ships_is_hardened_alike_and_reproducibly(patches, 
     assert sha256_file(again[0].wheel) == sha256_file(results[arm].wheel)
 
 
-def test_verify_all_passes_on_the_shipped_series(run_cli):
-    done = run_cli("verify", "--all")
+def test_verify_all_passes_on_the_shipped_series_and_docs_seams_md_is_its_index(run_cli, tmp_path):
+    done = run_cli("verify", "--all", "--seams-index", str(tmp_path / "seams.md"))
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("0.5.")]
     assert len(rows) >= 5 and all(" ok" in row for row in rows)
+    assert (tmp_path / "seams.md").read_text() == (REPO / "docs" / "seams.md").read_text(), \
+        "docs/seams.md is not current: sglang-hardened verify --all --seams-index docs/seams.md"
