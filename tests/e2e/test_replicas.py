@@ -7,7 +7,8 @@ Each request here is sent to the pair it names, as a balancer that chose that pa
 
 Tier and cost (2026-12-06, `scripts/test tests/e2e/test_replicas.py` on the shared 2-core
 machine, load average 15-20; a 2x2 start loads four servers, about twice a pair's):
-- gate: the H7 pair, two 2x2 starts (upstream and hardened 0.5.23: 66 s and 107 s), 224 s;
+- gate: the H7 pair, two 2x2 starts (upstream and hardened 0.5.23): 224 s at load 20 (starts of
+  66 s and 107 s), 393 s at load 40 (88 s and 117 s);
 - full: a hardened 2x2 fault cluster (one start, 75-92 s) on which a prefill and a decode are
   killed and replaced (two restarts, 64-86 s each; a third when both decodes' writes would share a
   transfer queue, one run in 16), every balancer's smoke and the oracle: about 400 s. Upstream's
@@ -44,8 +45,10 @@ pytestmark = pytest.mark.e2e
 
 # prefill-1 is the smaller one: a 600-token pool, so a 600-token context and an input limit of
 # 594, where prefill's and both decodes' is 1018. Each decode must judge each prefill on its own.
+# Ready without a request through mini-lb: on hardened one it sent to prefill-1 would be refused,
+# and answered only once prefill-1's bootstrap wait (the 15 s timeout) ran out.
 UNEQUAL_PREFILLS = dict(prefills=2, decodes=2, prefill_limits=(1024, 600), context_length=1024,
-                        waiting_timeout_s=15, extra_flags=METRICS_FLAGS)
+                        waiting_timeout_s=15, extra_flags=METRICS_FLAGS, probe_transfer=False)
 SMALL_LIMIT = 594
 SHORT = prompt_of(17)
 BETWEEN = prompt_of(700)  # fits prefill and both decodes, not prefill-1
