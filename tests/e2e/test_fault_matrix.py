@@ -248,9 +248,9 @@ QUIET_COUNTERS = ("requests_refused_total", "holds_started_total", "transfer_sen
 
 @on([pytest.param(b, marks=pytest.mark.gate) if b == QUIET_IN_GATE else b for b in BUILDS])
 def test_a_quiet_cluster_counts_no_hardening_event(fc):
-    """#27's metrics before any fault: nothing refused, no page held past its time, no metric
+    """The metrics before any fault: nothing refused, no page held past its time, no metric
     write lost, on either role; on hardened Mooncake the start-up request's bounded transfer calls
-    are counted (H6). #48: every series these counters may take is already served, at 0 (an
+    are counted (H6). Every series these counters may take is already served, at 0 (an
     alert on ``increase`` sees the first event), and each role serves the build's info."""
     served = {role: hardened_samples(fc.cluster, role) for role in ("prefill", "decode")}
     if not fc.hardened:
@@ -446,7 +446,7 @@ def check_fails_part_way(fc: FaultCluster, fault: str, label: str, judge_pages: 
 @pytest.mark.claim("H13", "hardened", params=["0.5.23-mooncake-hardened"])
 @on([b for b in BUILDS if b.backend == "mooncake" and (b.hardened or FULL_MATRIX or b.base == "0.5.23")])
 def test_metadata_that_never_lands(fc):
-    """#28, H13 (the slot leak of upstream #31800): prefill writes the KV and reports Success,
+    """H13 (the slot leak of upstream sglang#31800): prefill writes the KV and reports Success,
     but the transfer's metadata (first token, room) goes over Mooncake's TCP aux path in frames
     decode drops (aux-cut). Upstream's metadata gate then holds the request as Transferring
     with no bound: no answer, its decode pages held, until a client's abort. Hardened decode

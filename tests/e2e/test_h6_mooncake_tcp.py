@@ -56,7 +56,7 @@ def test_calls_at_once_to_one_peer_share_the_limit_and_the_seam_bounds_them_toge
 
 
 def test_without_the_byte_bound_one_call_outlives_the_release_timeout():
-    """Review (#22): the byte bound, shown necessary. A synchronous call cannot be interrupted and
+    """Review: the byte bound, shown necessary. A synchronous call cannot be interrupted and
     lasts as long as its bytes take on the link, so a chunk's KV sent as one call outlives any
     release timeout once it is large enough, and decode may give its pages away under it. To
     keep the test to about 2 GiB, the chunk here is 512 MiB and the release timeout half of what

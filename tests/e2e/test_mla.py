@@ -1,4 +1,4 @@
-"""MLA (issue #45): the tiny DeepSeek V3 (sandbox model ``deepseek``) on upstream and hardened 0.5.23
+"""MLA: the tiny DeepSeek V3 (sandbox model ``deepseek``) on upstream and hardened 0.5.23
 over Mooncake (the truncation over NIXL too in the full matrix), 64-token pages on both roles.
 
 Upstream runs it on CPU as it is, no stand-in: its torch-native attention backend computes the MLA

@@ -1,4 +1,4 @@
-"""Page size 64 on both roles (issue #45: the recipe's default), upstream against hardened 0.5.23:
+"""Page size 64 on both roles (the recipe's default), upstream against hardened 0.5.23:
 the truncation (Mooncake; hardened over NIXL too), the over-pool prompt (Mooncake), and prompts across page ends.
 
 The scenarios are test_oversized.py's and test_page_tags.py's, run with 64-token pages (0.5.19's

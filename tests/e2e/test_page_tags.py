@@ -155,7 +155,7 @@ CHECKSUM_REFUSAL = "KV checksum mismatch"
 
 
 def test_kv_checksum_refuses_each_read_fault_and_a_prefill_without_it_turns_it_off(start_cluster, tmp_path):
-    """#28: on upstream 0.5.23 with the checksum on, each read fault H8 refuses is refused too
+    """On upstream 0.5.23 with the checksum on, each read fault H8 refuses is refused too
     (500, nothing decoded, no answer that depends on other tenants), where the same faults
     without it are served 200 with one (the test above). A prefill started without the flag
     writes no digest, and decode then admits its transfers unverified: the same fault is served

@@ -1,7 +1,7 @@
 """The SGLang Model Gateway's control plane (`/workers`) is closed to whoever holds no key.
 
 smg serves its admin routes on the clients' port. Started with no control-plane key (the recipe
-and the sandbox before #44), one unauthenticated `DELETE /workers/<decode id>` took the service
+and the sandbox before the review that found it), one unauthenticated `DELETE /workers/<decode id>` took the service
 down ("No available decode workers") and `POST /workers` registered any URL, so a tenant could
 put a server of its own in the decode pool and read other tenants' prompts. Both now start smg
 with an admin key (`--control-plane-api-keys`; the recipe from a Secret, the sandbox a fresh one

@@ -168,7 +168,7 @@ def test_a_metric_that_cannot_be_written_never_fails_the_caller(tmp_path):
 
 
 def test_a_write_error_silences_only_what_failed_and_is_counted(tmp_path):
-    """Finding (#44): one failed write turned every hardening metric off for the process's
+    """Finding (review): one failed write turned every hardening metric off for the process's
     life, and nothing on /metrics said so. The process's histogram file is made unwritable (a
     folder where prometheus_client would map it): counters and gauges go on counting, and each
     lost histogram write is counted in sglang_hardened_metric_errors_total by its metric."""
@@ -212,7 +212,7 @@ def _documented_refusals() -> set[tuple[str, str, str]]:
 
 
 def test_every_listed_series_is_served_at_zero_from_the_servers_start(tmp_path):
-    """Finding (#48): a counter appeared at its first event, and Prometheus' ``increase`` has no
+    """Finding (review): a counter appeared at its first event, and Prometheus' ``increase`` has no
     sample before a series' first to rise from, so ``increase(...[5m]) > 0`` missed the first H8
     ``tag_mismatch`` (which pages). At H0's start-up seam every documented refusal, and every
     listed series of each counter and gauge, is served at 0; an event in another process then
@@ -241,7 +241,7 @@ def test_every_listed_series_is_served_at_zero_from_the_servers_start(tmp_path):
 
 
 def test_build_info_names_the_build_a_server_runs(built, tmp_path):
-    """Finding (#48): nothing on /metrics told a hardened server from an upstream one (which
+    """Finding (review): nothing on /metrics told a hardened server from an upstream one (which
     serves SGLang's own ``sglang:*`` families too), so Prometheus alone could not find an
     unhardened or mixed fleet. A server whose sglang is the newest base's hardened wheel (its
     dist-info, manifest and all, as pip installs it) serves build_info = 1 naming that build."""

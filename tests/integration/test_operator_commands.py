@@ -1,4 +1,4 @@
-"""The operator commands on a deployment that does not answer (#48), and their one meaning of
+"""The operator commands on a deployment that does not answer, and their one meaning of
 --json and exit codes (sglang_hardened/common/output.py). The canary's CronJob meets a dead
 gateway whenever the preflight gate has taken it out of service: the canary used to end in a
 traceback (an uncaught URLError in its calibration request) and write no report."""

@@ -1,7 +1,7 @@
 """The page ledger takes a NIXL write's end from the transport, never from the code it judges;
 and it tells which prefill slots each position decode attends to came from.
 
-Review finding (#22.1): for a write hardened prefill gave up on, the ledger's "write ended"
+Review finding: for a write hardened prefill gave up on, the ledger's "write ended"
 event was the hardened runtime's own "settled" log line, so a runtime that said so too early
 would have passed. Here the ledger runs in one process against a stand-in NIXL agent (the test
 environment has no NIXL): the runtime's notice, made early on purpose, ends nothing, and a
@@ -95,7 +95,7 @@ def test_a_rejected_post_ends_nothing_until_its_writes_on_the_wire_land(ledger, 
 
 
 def test_a_page_sent_whole_carries_slots_prefill_held_for_another_room(ledger, tmp_path, monkeypatch):
-    """#22's same-page case, in one process: prefill holds 6 positions of room B (pages of 4),
+    """The review's same-page case, in one process: prefill holds 6 positions of room B (pages of 4),
     sends its two pages whole, and decode attends to 9 positions. Position 6 and 7 come from
     slots room A held before; position 8's page no write covered. Each Mooncake engine call
     under the send is recorded with what it carried."""

@@ -64,7 +64,7 @@ SHARED_PREFIX = {"pages": 16, "requests": [
 
 @pytest.mark.parametrize("backend, race", [("mooncake", "workers"), ("nixl", "workers"), ("nixl", "queued")])
 def test_h8_false_refusal_under_a_shared_prefix(backend, race):
-    """#21.10: the second request's stamp on the shared prefix pages lands between the first one's
+    """A review finding: the second request's stamp on the shared prefix pages lands between the first one's
     stamp and its write (two workers; or NIXL 0.5.23's one worker, the first write still queued);
     the first request, correct, must still be admitted."""
     where, result = exchange(backend, SHARED_PREFIX | {"race": race})
@@ -84,7 +84,7 @@ SLICED = {"pages": 16, "heads": 2, "requests": [
 
 
 def test_head_sliced_transfers_vouch_for_each_rank_s_slice():
-    """#26: between unequal TP sizes every prefill rank's head slice carries its own tag slot, so a
+    """Between unequal TP sizes every prefill rank's head slice carries its own tag slot, so a
     page is admitted when all its slices landed and refused when one rank's did not (before, every
     such transfer was refused: the slices carried no tags)."""
     where, result = exchange("mooncake", SLICED)

@@ -71,7 +71,7 @@ def _request_head(conn: socket.socket) -> bytes:
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 def test_a_redirect_is_refused_and_the_token_goes_nowhere_else(status, peer):
-    """Finding (#44): urllib followed the redirect and sent the caller's headers, the bootstrap
+    """Finding (review): urllib followed the redirect and sent the caller's headers, the bootstrap
     token among them, to whatever host the peer named."""
     elsewhere: list[bytes] = []
 
@@ -114,7 +114,7 @@ TRICKLES = {  # what the peer sends at once, then one byte of the endless rest e
 
 @pytest.mark.parametrize("where", TRICKLES)
 def test_a_peer_that_trickles_its_reply_is_cut_off_at_one_deadline(where, peer):
-    """Finding (#44): the timeout was per socket read, so a peer sending a byte at a time held
+    """Finding (review): the timeout was per socket read, so a peer sending a byte at a time held
     the caller (decode's scheduler, for H7's check) for as long as it kept sending."""
     start, rest = TRICKLES[where]
 

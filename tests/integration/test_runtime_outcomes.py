@@ -383,7 +383,7 @@ def test_an_admission_refusal_on_prefill_is_counted_as_h1(monkeypatch, mode, mes
 
 
 def test_catch_up_polls_share_one_listing_and_wait_like_any_reply(monkeypatch):
-    """Finding (#44): a poll with after=-1 skipped the coalescing and listed and serialised every
+    """Finding (review): a poll with after=-1 skipped the coalescing and listed and serialised every
     retained outcome (up to RETAIN_MAX) for each poll at once, so a loop of them, from anyone who
     reaches the port without a token, kept prefill's HTTP process busy. Now one body serves every
     catch-up until the log changes, and each waits COALESCE_S (a lower bound: never flaky)."""

@@ -51,9 +51,10 @@ COMMIT = re.compile(r"(?<![\w/.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,12
 
 @functools.cache
 def _docstrings() -> list[tuple[str, str]]:
-    """(where, text) of every module, class and function docstring of the package."""
+    """(where, text) of every module, class and function docstring of the package, its tests and
+    benchmarks."""
     found = []
-    for path in sorted((REPO / "sglang_hardened").rglob("*.py")):
+    for path in sorted(p for folder in ("sglang_hardened", "tests", "benchmarks") for p in (REPO / folder).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 if (doc := ast.get_docstring(node)) is not None:

@@ -1,5 +1,5 @@
 """H8 on NIXL 0.5.23 (sglang_hardened.runtime.page_tags_nixl): a lane's wait for its earlier
-tag writes before it restamps (#21.10's fix) must not let one stalled decode stop the lane.
+tag writes before it restamps (the shared-prefix fix) must not let one stalled decode stop the lane.
 
 Stand-in: the agent's write states are set by the test (a write that stays in flight needs a
 stalled peer; tests/integration/test_page_tags_transfer.py runs the same seam over real NIXL UCX).

@@ -1,4 +1,4 @@
-"""The soak's fitting prompts come under their limit whatever the seed draws (#46: seeds
+"""The soak's fitting prompts come under their limit whatever the seed draws (seeds
 8675309 and 4242 stopped the soak before it sent anything, "the quiet cluster refused fitting
 prompts {992: 400}"). The server here is a rule: SGLang's answer to a prompt over its limit is
 a 400, and a word's cost in tokens differs from word to word, as the sandbox tokenizer's does."""
