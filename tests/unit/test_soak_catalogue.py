@@ -1,43 +1,79 @@
-"""The soak's fitting prompts come under their limit whatever the seed draws (seeds
-8675309 and 4242 stopped the soak before it sent anything, "the quiet cluster refused fitting
-prompts {992: 400}"). The server here is a rule: SGLang's answer to a prompt over its limit is
-a 400, and a word's cost in tokens differs from word to word, as the sandbox tokenizer's does."""
+"""The soak's prompts are as long as the server counts them, whatever the seed: seeds 8675309
+and 4242 once stopped the soak before it sent anything ("the quiet cluster refused fitting
+prompts {992: 400}"), their draw of dear words taking the average word's cost past the limit.
+The tokenizers here are rules (a word's cost differs from word to word, as the sandbox's
+byte-level BPE's does, from one token to six); tests/integration/test_soak_prompts.py runs
+the same draws through the sandbox model's real tokenizer."""
 
 from __future__ import annotations
 
-from sglang_hardened.operations.filler import WORDS, filler
-from sglang_hardened.operations.oracle import Reply
-from sglang_hardened.sandbox.soak.catalogue import FIT_TRIES, Prompt, _fitted
+import random
 
-LIMIT = 1000
+import pytest
 
+from sglang_hardened.operations.filler import WORDS, WordCosts
+from sglang_hardened.sandbox.cluster import ClusterParams
+from sglang_hardened.sandbox.env import SandboxError
+from sglang_hardened.sandbox.soak.catalogue import FIT_TRIES, OVER, Prompt, draw, fitting_lengths, measured
 
-def cost(text: str) -> int:
-    return sum(1 + len(word) // 5 for word in text.split())  # "water", "light", "house", "river": 2
-
-
-def server(asked: list[str]):
-    def send(text: str, max_new_tokens: int) -> Reply:
-        asked.append(text)
-        if cost(text) + max_new_tokens > LIMIT:
-            return Reply(400, None, '{"error": "too long"}', 0.0)
-        return Reply(200, (1,) * max_new_tokens, "{}", 0.0)
-    return send
+PARAMS = ClusterParams(base="0.5.23", prefill_pool_tokens=1024, context_length=1024, page_size=16,
+                       chunked_prefill_size=256)
+KINDS = ("fits", "over-pool", "over-limit")
+SEEDS = [8675309, 4242, 7, *random.Random().sample(range(1 << 30), 3)]  # random ones too: any seed must work
 
 
-def test_a_draw_of_dear_words_is_trimmed_from_its_end_until_it_fits():
-    per_word = sum(map(cost, WORDS)) / len(WORDS)  # what calibration measures: the average
-    dear = next(seed for seed in map(str, range(1000))
-                if cost(filler(per_word, LIMIT - 32, seed)) + 16 > LIMIT)  # a seed like 8675309
-    drawn = Prompt(filler(per_word, LIMIT - 32, dear), LIMIT - 32, 16)
-    asked: list[str] = []
-    fitted, reply = _fitted(drawn, server(asked), per_word)
-    assert reply.status == 200 and cost(fitted.text) + 16 <= LIMIT
-    assert drawn.text.startswith(fitted.text) and len(asked) <= FIT_TRIES  # the same draw, cut short
-    assert cost(fitted.text) + 16 > LIMIT - 3 * 16  # still near the limit it was drawn for
+def cost(word: str) -> int:
+    return 1 + len(word) // 3  # "the" 2, "water" 2, ...: not all alike
 
 
-def test_a_prompt_that_fits_is_asked_once_and_kept():
-    asked: list[str] = []
-    drawn = Prompt(" the key", 2, 4)
-    assert _fitted(drawn, server(asked), 1.0) == (drawn, Reply(200, (1,) * 4, "{}", 0.0)) and asked == [" the key"]
+def additive(asked: list[list[str]]):
+    """A BOS and each word's own cost, as a tokenizer that splits at spaces first counts."""
+    def count(texts: list[str]) -> list[int]:
+        asked.append(texts)
+        return [1 + sum(cost(w) for w in text.split()) for text in texts]
+    return count
+
+
+def merging(texts: list[str]) -> list[int]:
+    """Each word's cost and one more for every "the" after "of": costs that do not add up."""
+    return [sum(cost(w) for w in t.split()) + t.count("of the") for t in texts]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_prompt_is_as_long_as_drawn_for_any_seed(seed):
+    asked: list[list[str]] = []
+    cat = draw(additive(asked), PARAMS, seed, KINDS)
+    lengths = fitting_lengths(PARAMS)
+    assert [p.tokens for p in cat.fitting] == lengths, seed  # exact: pages' and chunks' ends straddled
+    assert all(1 + sum(cost(w) for w in p.text.split()) == p.tokens for p in cat.fitting)
+    assert [p.tokens for p in cat.over_pool] == [PARAMS.prefill_pool_tokens + OVER]
+    assert [p.tokens for p in cat.over_limit] == [PARAMS.context_length + OVER]
+    assert len(asked) == 4  # the words' costs once, then one count per kind
+    assert draw(additive([]), PARAMS, seed, KINDS) == cat  # the same seed, the same prompts
+
+
+def test_the_costs_are_measured_per_word_over_the_empty_prompt():
+    costs = WordCosts.measure(additive([]))
+    assert costs.overhead == 1 and costs.words == {w: cost(w) for w in WORDS}
+    assert sum(cost(w) for w in costs.text(100, "s").split()) == 99  # the BOS is one of the 100
+
+
+def test_a_draw_that_counts_over_its_length_loses_words_from_its_end_until_it_does_not():
+    costs = WordCosts.measure(merging)
+    drawn = [Prompt(" of the" * 50, 150, 4), Prompt(" key of the", 8, 4)]
+    got = measured(drawn, merging, costs)
+    assert [p.tokens for p in got] == merging([p.text for p in got])
+    assert all(p.tokens <= d.tokens and d.text.startswith(p.text) for p, d in zip(got, drawn))
+    assert got[0].tokens > 150 * 3 // 4  # cut short, not gutted
+
+
+def test_a_tokenizer_that_never_comes_down_is_refused_naming_the_lengths():
+    asked: list[list[str]] = []
+
+    def stubborn(texts: list[str]) -> list[int]:
+        asked.append(texts)
+        return [500 for _ in texts]
+
+    with pytest.raises(SandboxError, match="still over their lengths"):
+        measured([Prompt(" the" * 300, 300, 4)], stubborn, WordCosts.measure(additive([])))
+    assert len(asked) == FIT_TRIES

@@ -1,5 +1,6 @@
-"""The soak's prompts, sized from the cluster (page, chunk, pool and input limit), and each
-one's answer on the quiet cluster: the model a loaded, faulted cluster is checked against.
+"""The soak's prompts, sized from the cluster (page, chunk, pool and input limit) and measured
+by the server's tokenizer, and each one's answer on the quiet cluster: the model a loaded,
+faulted cluster is checked against.
 
 Greedy decoding maps a prompt to one output whatever else runs, so the quiet answer is
 what every 200 for that prompt must be; a prompt the quiet cluster refuses must be refused.
@@ -8,24 +9,24 @@ what every 200 for that prompt must be; a prompt the quiet cluster refuses must 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
-from ...operations.filler import filler, tokens_per_word
+from ...operations.filler import Counter, WordCosts
 from ...operations.oracle import Reply, generate
 from ..cluster import ClusterParams
 from ..env import SandboxError
 
-MARGIN = 16  # tokens kept clear of a limit, for the words' measured cost being an average
+MARGIN = 16  # tokens kept clear of a limit: a page's rounding, a server's reserved tokens
 OVER = 48  # tokens an over-limit prompt goes past its limit by
 MAX_NEW = (4, 16)  # output tokens of a prompt (uniform, drawn with the seed)
-FIT_TRIES = 8  # quiet requests a fitting prompt may take to come under its limit
+FIT_TRIES = 8  # counts a drawn prompt may take to come down to its length (a tokenizer whose words' costs do not add up)
 
 
 @dataclass(frozen=True)
 class Prompt:
     text: str
-    tokens: int  # the length it was drawn for
+    tokens: int  # its length as the server's tokenizer counts it
     max_new_tokens: int
 
 
@@ -58,46 +59,61 @@ def fitting_lengths(p: ClusterParams) -> list[int]:
     return sorted({n for n in around + spread if 1 <= n <= limit})
 
 
-def _fitted(prompt: Prompt, send: Callable[[str, int], Reply], per_word: float) -> tuple[Prompt, Reply]:
-    """``prompt`` as the server counts it, with its quiet answer: the words' cost is an average
-    and a seed can draw the dear ones, so a prompt drawn near the limit may come out past it
-    (400); words are dropped from its end (the rest stays the same draw) until the quiet cluster
-    takes it, FIT_TRIES asks at most."""
-    words = prompt.text.split()
+def measured(prompts: list[Prompt], count: Counter, costs: WordCosts) -> list[Prompt]:
+    """``prompts`` (each drawn for ``tokens``) with their length as the server counts it. One
+    counted over its length (a tokenizer whose words' costs do not simply add up) loses words
+    from its end, the rest staying the same draw, and is counted again: FIT_TRIES counts at
+    most, all the prompts in one request each time."""
+    wanted = [p.tokens for p in prompts]
+    now = list(prompts)
     for _ in range(FIT_TRIES):
-        fitted = Prompt(" " + " ".join(words), prompt.tokens, prompt.max_new_tokens)
-        reply = send(fitted.text, fitted.max_new_tokens)
-        if reply.status != 400 or len(words) == 1:
-            break
-        words = words[:max(1, len(words) - max(1, round(MARGIN / per_word)))]
-    return fitted, reply
+        now = [replace(p, tokens=n) for p, n in zip(now, count([p.text for p in now]))]
+        if not (over := [i for i, p in enumerate(now) if p.tokens > wanted[i]]):
+            return now
+        for i in over:
+            words, excess = now[i].text.split(), now[i].tokens - wanted[i]
+            while excess > 0 and len(words) > 1:
+                excess -= costs.words.get(words.pop(), 1)
+            now[i] = replace(now[i], text="".join(f" {w}" for w in words))
+    raise SandboxError(f"prompts still over their lengths after {FIT_TRIES} counts (wanted: counted) "
+                       f"{ {wanted[i]: now[i].tokens for i in over} }")
 
 
-def build(lb_url: str, params: ClusterParams, seed: int, timeout_s: float, kinds: Iterable[str]) -> Catalogue:
-    """Draw the prompts ``kinds`` send and ask the quiet cluster each one, in turn."""
-    def send(text: str, max_new_tokens: int = 1) -> Reply:
-        try:
-            return generate(lb_url, text, max_new_tokens, timeout_s)
-        except TimeoutError:
-            return Reply(None, None, f"no answer within {timeout_s:.0f} s", timeout_s)
-        except OSError as e:
-            raise SandboxError(f"the sandbox's load balancer ({lb_url}) did not answer the quiet run: {e}") from e
-
-    per_word = tokens_per_word(send)
+def draw(count: Counter, params: ClusterParams, seed: int, kinds: Iterable[str]) -> Catalogue:
+    """The prompts ``kinds`` send, drawn with ``seed`` and measured with ``count`` (the server's
+    tokenizer): fitting ones at exactly their lengths or under, over-limit ones past their limit."""
+    costs = WordCosts.measure(count)
     rng = random.Random(f"{seed}/catalogue")
 
     def prompts(lengths: list[int], name: str) -> list[Prompt]:
-        return [Prompt(filler(per_word, n, f"{seed}/{name}/{i}"), n, rng.randint(*MAX_NEW)) for i, n in enumerate(lengths)]
+        drawn = [Prompt(costs.text(n, f"{seed}/{name}/{i}"), n, rng.randint(*MAX_NEW)) for i, n in enumerate(lengths)]
+        return measured(drawn, count, costs)
 
     limit = min(params.context_length, params.decode_context_length or params.context_length)
     kinds = set(kinds)
     cat = Catalogue(prompts(fitting_lengths(params), "fits"),
                     prompts([params.prefill_pool_tokens + OVER], "pool") if "over-pool" in kinds else [],
                     prompts([limit + OVER], "limit") if "over-limit" in kinds else [], {})
-    answered = [_fitted(prompt, send, per_word) for prompt in cat.fitting]
-    cat.fitting = [prompt for prompt, _ in answered]
-    answered += [(prompt, send(prompt.text, prompt.max_new_tokens)) for prompt in cat.over_pool + cat.over_limit]
-    for prompt, reply in answered:
+    if short := {p.tokens: bound for ps, bound in ((cat.over_pool, params.prefill_pool_tokens), (cat.over_limit, limit))
+                 for p in ps if p.tokens <= bound}:
+        raise SandboxError(f"prompts meant to be over a limit came out within it (tokens: limit) {short}")
+    return cat
+
+
+def build(lb_url: str, count: Counter, params: ClusterParams, seed: int, timeout_s: float,
+          kinds: Iterable[str]) -> Catalogue:
+    """``draw`` the prompts, then ask the quiet cluster each one, in turn."""
+    try:
+        cat = draw(count, params, seed, kinds)
+    except OSError as e:
+        raise SandboxError(f"the sandbox's prefill did not count tokens (/tokenize): {e}") from e
+    for prompt in cat.fitting + cat.over_pool + cat.over_limit:
+        try:
+            reply = generate(lb_url, prompt.text, prompt.max_new_tokens, timeout_s)
+        except TimeoutError:
+            reply = Reply(None, None, f"no answer within {timeout_s:.0f} s", timeout_s)
+        except OSError as e:
+            raise SandboxError(f"the sandbox's load balancer ({lb_url}) did not answer the quiet run: {e}") from e
         cat.expected[prompt.text] = Expected(reply.status, reply.output_ids)
     if refused := {p.tokens: cat.expected[p.text].status for p in cat.fitting if cat.expected[p.text].status != 200}:
         raise SandboxError(f"the quiet cluster refused fitting prompts (tokens: HTTP status) {refused}: "

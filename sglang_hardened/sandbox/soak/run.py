@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from ...operations.oracle import token_counts
 from ...runtime.source_hold import HOLD_TIMEOUTS
 from ..cluster import RESTART_DEADLINE_S, Cluster, marked_pids
 from ..instruments import Instruments
@@ -49,7 +50,8 @@ def run_soak(cluster: Cluster, plan: SoakPlan, restart: Callable[[str], None] | 
     plan.validate()
     injector = Injector(cluster, plan, restart or cluster.restart, instruments or cluster.instruments)
     began = time.monotonic()
-    cat = build(cluster.lb_url, cluster.params, plan.seed, plan.bound_s, [k for k, w in plan.mix.items() if w > 0])
+    cat = build(cluster.lb_url, lambda texts: token_counts(cluster.prefill_url, texts, plan.bound_s), cluster.params,
+                plan.seed, plan.bound_s, [k for k, w in plan.mix.items() if w > 0])
     idle = cluster.used_tokens()
     rss_start = {role: rss_mib(cluster.procs[role].pid) for role in ("prefill", "decode")}
     p = cluster.params
