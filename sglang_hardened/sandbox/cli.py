@@ -193,6 +193,7 @@ def soak(name: str, seed: int, clients: int, duration: float, rates: tuple[str, 
     \b
     Example:
       sglang-hardened sandbox soak --seed 7 --duration 120 --rate kill-decode=0 --json
+      sglang-hardened sandbox soak --seed 4242 --duration 300 --rate rolling-restart=0.002   # on --prefills 2 --decodes 2
     """
     from .soak.faults import RestartFailed  # they read the checkout's overlay: a soak runs from one
     from .soak.run import run_soak

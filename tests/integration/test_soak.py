@@ -1,6 +1,7 @@
 """The soak's parts that need no cluster: its plan (reproducible, and refusing bad rates and
-names), its judge (each verdict), its report, its read of the growing ledger, and its
-command's bad input. tests/e2e/test_fault_matrix.py runs it on real clusters."""
+names), its judge (each verdict), its report, its read of the growing ledger, its aim at one
+server of several and its rolling restart (real process groups stand in for the servers), and
+its command's bad input. tests/e2e/test_fault_matrix.py and test_soak_2x2.py run it on real clusters."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from dataclasses import replace
 import pytest
 
 from sglang_hardened.common.knobs import CACHE
-from sglang_hardened.sandbox.cluster import Cluster, ClusterParams, Proc
+from sglang_hardened.sandbox.cluster import Cluster, ClusterParams, Proc, signal_group
 from sglang_hardened.sandbox.env import SandboxError
 from sglang_hardened.sandbox.soak.catalogue import Catalogue, Expected, Prompt, fitting_lengths
-from sglang_hardened.sandbox.soak.faults import Injector, RestartFailed, _OpenWrites
+from sglang_hardened.sandbox.soak.faults import Injector, RestartFailed, _OpenWrites, group_pids
 from sglang_hardened.sandbox.soak.judge import judge, names_a_cause
 from sglang_hardened.sandbox.soak.plan import FAULTS, SoakPlan, Step
 from sglang_hardened.sandbox.soak.report import SoakReport
@@ -127,7 +128,7 @@ def test_request_bodies_per_kind():
 
 
 def test_the_report_counts_and_names_each_violation():
-    report = SoakReport({"base": "0.5.23", "backend": "mooncake", "lb": "mini-lb"}, 3, bound_s=PLAN.bound_s)
+    report = SoakReport({"base": "0.5.23", "backend": "mooncake", "lb": "mini-lb", "servers": "1x1"}, 3, bound_s=PLAN.bound_s)
     report.outcomes = [judge(_step("fits"), _sent(200, ((1, 2, 3, 4),)), CAT, PLAN.bound_s),
                        judge(_step("over-pool"), _sent(200, ((1,),)), CAT, PLAN.bound_s)]
     report.end_violations = [("page-freed-under-write", "room 7: page 3 freed while its write was in flight")]
@@ -165,7 +166,7 @@ def test_a_server_that_will_not_restart_stops_the_soak_with_its_reason(tmp_path)
     injector = Injector(cluster, replace(PLAN, release_timeout_s=0.1), restart, cluster.instruments)
     injector.fire(Step(0, 0, "fits", 0, "kill-decode", 0.0, 0.0, 0), "r1")
     injector.finish(30)
-    assert server.wait(10) == -signal.SIGKILL
+    assert not group_pids(server.pid)  # killed (and reaped, as the cluster's restart reaps its own)
     assert isinstance(injector.error, RestartFailed) and "decode would not restart" in str(injector.error)
     assert str(server.pid) in injector.killed
 
@@ -212,3 +213,95 @@ def test_a_waiting_client_gives_up_when_told_and_not_before():
         sent = send(f"http://127.0.0.1:{server.getsockname()[1]}", _step("fits"), CAT, "r1", 30.0, None,
                     give_up=lambda sent_at: time.monotonic() - sent_at > 1.0)
     assert sent.status is None and "gave up" in sent.body and 1.0 <= time.monotonic() - started < 5.0
+
+
+def _groups(tmp_path, prefills: int, decodes: int, ignore_term: bool = False) -> Cluster:
+    """A cluster of real process groups standing in for servers (each one sleeps; it ignores
+    SIGTERM if told), none listening."""
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)" if ignore_term \
+        else "import time; time.sleep(120)"
+    params = ClusterParams(base="0.5.23", instrument=True, prefills=prefills, decodes=decodes)
+    cluster = Cluster(params, "t", tmp_path)
+    for name in (*cluster.servers("prefill"), *cluster.servers("decode")):
+        proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        cluster.procs[name] = Proc(name, proc.pid, "", f"http://127.0.0.1:9/{name}", 9, [sys.executable, "-c", code])
+    cluster.instruments.prepare()
+    return cluster
+
+
+def test_a_server_fault_hits_one_server_of_its_role_and_an_abort_every_one(tmp_path):
+    cluster = Cluster(ClusterParams(base="0.5.23", instrument=True, prefills=2, decodes=3), "t", tmp_path)
+    cluster.instruments.prepare()
+    injector = Injector(cluster, PLAN, lambda name: None, cluster.instruments)
+
+    def hit(fault: str, target: int) -> list[str]:
+        return injector.targets(replace(_step("fits", fault), target=target))
+
+    assert [hit("kill-decode", t) for t in range(4)] == [["decode"], ["decode-1"], ["decode-2"], ["decode"]]
+    assert hit("stop-prefill", 3) == ["prefill-1"] and hit("fail-part-way", 2) == ["prefill"]  # a prefill's writes
+    assert hit("abort-decode", 1) == ["decode", "decode-1", "decode-2"]  # only the one serving it has the rid
+    assert hit("rolling-restart", 0) == ["prefill", "prefill-1", "decode", "decode-1", "decode-2"]
+    steps = [PLAN.step(c, i) for c in range(8) for i in range(200)]
+    assert {s.target % 2 for s in steps if s.fault == "kill-prefill"} == {0, 1}  # the draw reaches both
+
+
+@pytest.mark.parametrize("ignore_term", [False, True])
+def test_a_rolling_restart_replaces_every_server_in_turn_each_gone_before_it_starts_again(tmp_path, monkeypatch,
+                                                                                       ignore_term):
+    """Prefills first, one at a time: SIGTERM to the first process, then (if it ignored it, after
+    the grace) SIGKILL to its group, then the restart, which returns once the server is healthy."""
+    monkeypatch.setattr("sglang_hardened.sandbox.soak.faults.TERM_GRACE_S", 1.0)
+    cluster = _groups(tmp_path, 2, 2, ignore_term)
+    old = {name: proc.pid for name, proc in cluster.procs.items()}
+    order: list[str] = []
+
+    def restart(name: str) -> None:
+        assert not group_pids(old[name]), f"{name} restarted while its old processes lived"
+        assert all(n in order or n == name for n in cluster.procs if list(old).index(n) < list(old).index(name))
+        order.append(name)
+        new = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        cluster.procs[name] = replace(cluster.procs[name], pid=new.pid)
+
+    injector = Injector(cluster, replace(PLAN, release_timeout_s=0.1), restart, cluster.instruments)
+    try:
+        injector.fire(replace(_step("fits", "rolling-restart"), fault_after_s=0.0), "r1")
+        injector.finish(60)
+        assert order == ["prefill", "prefill-1", "decode", "decode-1"] and injector.error is None
+        [event] = injector.events
+        assert event.landed and event.targets == tuple(order) and "in turn" in event.note, event
+        assert {str(pid) for pid in old.values()} <= set(injector.killed)  # their writes ended when they did
+    finally:
+        for proc in cluster.procs.values():
+            signal_group(proc.pid, signal.SIGKILL)
+
+
+def test_a_server_fault_waits_for_a_write_of_its_own_server(tmp_path):
+    """A write by prefill 11 into decode 21's pages is in flight: it is prefill 11's and decode
+    21's, not decode 22's."""
+    ledger = _OpenWrites(tmp_path)
+    (tmp_path / "21.jsonl").write_text(json.dumps({"t": 1.0, "ev": "expose", "room": 5, "pages": [3]}) + "\n")
+    (tmp_path / "11.jsonl").write_text(json.dumps({"t": 2.0, "ev": "begin", "room": 5, "w": 1, "pages": [3]}) + "\n")
+    assert ledger.any({}, {"11"}) and ledger.any({}, {"21"}) and not ledger.any({}, {"22"}) and ledger.any({})
+
+
+def _ledger_of_a_freed_source(folder) -> None:
+    """Prefill 11 frees source page 1 while its write into decode 21's page 3 is in flight."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "21.jsonl").write_text(json.dumps({"t": 1.0, "ev": "expose", "room": 5, "pages": [3]}) + "\n")
+    (folder / "11.jsonl").write_text("".join(json.dumps(e) + "\n" for e in (
+        {"t": 2.0, "ev": "begin", "room": 5, "w": 1, "pages": [3], "src": [1]},
+        {"t": 3.0, "ev": "srcfree", "pages": [1]},
+        {"t": 4.0, "ev": "end", "room": 5, "w": 1})))
+
+
+@pytest.mark.parametrize("killed, found", [({}, True), ({"22": 2.5}, True), ({"21": 2.5}, False)])
+def test_a_source_freed_under_a_write_is_excused_only_by_the_kill_of_the_decode_it_writes_into(tmp_path, killed, found):
+    """Nobody reads what a write into a killed decode sends; a kill of another decode excuses nothing."""
+    cluster = Cluster(ClusterParams(base="0.5.23", instrument=True, prefills=1, decodes=2), "t", tmp_path,
+                      {n: Proc(n, 0, "", "http://127.0.0.1:9", 9) for n in ("prefill", "decode", "decode-1")})
+    cluster.instruments.prepare()
+    _ledger_of_a_freed_source(cluster.instruments.ledger_dir)
+    injector = Injector(cluster, PLAN, lambda name: None, cluster.instruments)
+    injector.killed.update(killed)
+    kinds = [kind for kind, _ in _end_checks(cluster, injector, {}, PLAN, began=0.0)]
+    assert ("source-freed-under-write" in kinds) == found, kinds

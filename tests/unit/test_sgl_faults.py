@@ -5,6 +5,7 @@ each hits only long transfers and only when switched on, and keeps the allocator
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -216,3 +217,17 @@ def test_an_unknown_fault_is_an_error(switch):
     switch.write_text("typo")
     with pytest.raises(ValueError):
         faults.armed("drop-last-page", 3)
+
+
+def test_a_fault_named_with_a_process_group_hits_that_server_only(switch):
+    """One server of several fails while the others serve: each sandbox server leads its group."""
+    pages = faults.MIN_PAGES
+    switch.write_text(f"fail-part-way#{os.getpgrp()}")
+    assert faults.armed("fail-part-way", pages) and not faults.armed("drop-last-page", pages)
+    switch.write_text(f"fail-part-way#{os.getpgrp() + 1}")
+    assert not faults.armed("fail-part-way", pages)
+    switch.write_text(f"fail-part-way@0#{os.getpgrp()}")
+    assert faults.armed("fail-part-way", pages)  # one rank of one server
+    switch.write_text("fail-part-way#me")
+    with pytest.raises(ValueError, match="#GROUP"):
+        faults.armed("fail-part-way", pages)

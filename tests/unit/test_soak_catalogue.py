@@ -14,7 +14,8 @@ import pytest
 from sglang_hardened.operations.filler import WORDS, WordCosts
 from sglang_hardened.sandbox.cluster import ClusterParams
 from sglang_hardened.sandbox.env import SandboxError
-from sglang_hardened.sandbox.soak.catalogue import FIT_TRIES, OVER, Prompt, draw, fitting_lengths, measured
+from sglang_hardened.sandbox.soak.catalogue import (FIT_TRIES, OVER, Prompt, draw, fitting_lengths, measured,
+                                                   over_lengths)
 
 PARAMS = ClusterParams(base="0.5.23", prefill_pool_tokens=1024, context_length=1024, page_size=16,
                        chunked_prefill_size=256)
@@ -77,3 +78,9 @@ def test_a_tokenizer_that_never_comes_down_is_refused_naming_the_lengths():
     with pytest.raises(SandboxError, match="still over their lengths"):
         measured([Prompt(" the" * 300, 300, 4)], stubborn, WordCosts.measure(additive([])))
     assert len(asked) == FIT_TRIES
+
+
+def test_lengths_fit_every_pair_the_balancer_may_choose_and_the_over_ones_pass_every_pair():
+    p = ClusterParams(base="0.5.23", prefills=2, decodes=2, prefill_limits=(600, 1024), decode_context_length=900)
+    assert max(fitting_lengths(p)) == 600 - 16 - 16  # the smaller prefill's pool and context
+    assert over_lengths(p) == {"over-pool": 1024 + OVER, "over-limit": 900 + OVER}  # the larger prefill with a decode

@@ -51,12 +51,24 @@ class Catalogue:
 
 
 def fitting_lengths(p: ClusterParams) -> list[int]:
-    """Prompt lengths on either side of a page's and a chunk's end, and spread up to the limit."""
-    limit = min(p.prefill_pool_tokens, p.context_length, p.decode_context_length or p.context_length) - MAX_NEW[1] - MARGIN
+    """Prompt lengths on either side of a page's and a chunk's end, and spread up to the limit
+    every server takes (whichever pair the load balancer chooses)."""
+    specs = p.specs()
+    limit = min(min(s.pool_tokens, s.context_length) for s in specs) - MAX_NEW[1] - MARGIN
     page, chunk = p.page_size, p.chunked_prefill_size or 0
     around = [n * size + d for size in (page, chunk) if size > 1 for n in (1, 2) for d in (-1, 0, 1)]
     spread = [8, 40, limit // 4, limit // 2, 3 * limit // 4, limit]
     return sorted({n for n in around + spread if 1 <= n <= limit})
+
+
+def over_lengths(p: ClusterParams) -> dict[str, int]:
+    """The over-limit kinds' lengths, past the limit of every pair the load balancer may choose:
+    the largest prefill pool, and the largest input limit of a pair (the shorter of its servers'
+    context lengths)."""
+    specs = p.specs()
+    prefills, decodes = ([s for s in specs if s.role == role] for role in ("prefill", "decode"))
+    return {"over-pool": max(s.pool_tokens for s in prefills) + OVER,
+            "over-limit": max(min(a.context_length, b.context_length) for a in prefills for b in decodes) + OVER}
 
 
 def measured(prompts: list[Prompt], count: Counter, costs: WordCosts) -> list[Prompt]:
@@ -89,13 +101,12 @@ def draw(count: Counter, params: ClusterParams, seed: int, kinds: Iterable[str])
         drawn = [Prompt(costs.text(n, f"{seed}/{name}/{i}"), n, rng.randint(*MAX_NEW)) for i, n in enumerate(lengths)]
         return measured(drawn, count, costs)
 
-    limit = min(params.context_length, params.decode_context_length or params.context_length)
+    over = over_lengths(params)
     kinds = set(kinds)
     cat = Catalogue(prompts(fitting_lengths(params), "fits"),
-                    prompts([params.prefill_pool_tokens + OVER], "pool") if "over-pool" in kinds else [],
-                    prompts([limit + OVER], "limit") if "over-limit" in kinds else [], {})
-    if short := {p.tokens: bound for ps, bound in ((cat.over_pool, params.prefill_pool_tokens), (cat.over_limit, limit))
-                 for p in ps if p.tokens <= bound}:
+                    prompts([over["over-pool"]], "pool") if "over-pool" in kinds else [],
+                    prompts([over["over-limit"]], "limit") if "over-limit" in kinds else [], {})
+    if short := {p.tokens: over[kind] - OVER for kind in over for p in cat.prompts(kind) if p.tokens <= over[kind] - OVER}:
         raise SandboxError(f"prompts meant to be over a limit came out within it (tokens: limit) {short}")
     return cat
 

@@ -1,5 +1,7 @@
 """What a soak sends and injects: request kinds and faults with their shares, drawn per
-request from the seed, so one seed gives the same schedule on every build it is run on."""
+request from the seed, so one seed gives the same schedule on every build it is run on.
+A server fault names its server by a number drawn with it (the injector takes it modulo the
+role's servers), so the schedule does not depend on the cluster's shape."""
 
 from __future__ import annotations
 
@@ -12,17 +14,20 @@ from ..env import SandboxError
 # Each fault with what it does; a rate is the share of requests that carry it (0..1, summing to 1 at most).
 FAULTS = {
     "disconnect": "the client hangs up at a random moment",
-    "abort-prefill": "POST /abort_request for the request to prefill",
-    "abort-decode": "POST /abort_request for the request to decode",
-    "stop-prefill": "SIGSTOP prefill for a time below or above the release timeout, then SIGCONT",
-    "stop-decode": "SIGSTOP decode for a time below or above the release timeout, then SIGCONT",
-    "kill-prefill": "SIGKILL prefill, then restart it with the same arguments",
-    "kill-decode": "SIGKILL decode, then restart it with the same arguments",
-    "fail-part-way": "for a few seconds, each transfer writes half its pages and then fails",
+    "abort-prefill": "POST /abort_request for the request to its prefill (sent to every prefill: one has it)",
+    "abort-decode": "POST /abort_request for the request to its decode (likewise)",
+    "stop-prefill": "SIGSTOP one prefill for a time below or above the release timeout, then SIGCONT",
+    "stop-decode": "SIGSTOP one decode for a time below or above the release timeout, then SIGCONT",
+    "kill-prefill": "SIGKILL one prefill, then restart it with the same arguments",
+    "kill-decode": "SIGKILL one decode, then restart it with the same arguments",
+    "fail-part-way": "for a few seconds, each transfer one prefill sends writes half its pages and then fails",
+    "rolling-restart": "every server in turn, prefills first: SIGTERM, restarted, healthy before the next",
 }
-SERVER_FAULTS = ("stop-prefill", "stop-decode", "kill-prefill", "kill-decode", "fail-part-way")  # one at a time
+SERVER_FAULTS = ("stop-prefill", "stop-decode", "kill-prefill", "kill-decode", "fail-part-way",
+                 "rolling-restart")  # one at a time
 DEFAULT_RATES = {"disconnect": 0.04, "abort-prefill": 0.02, "abort-decode": 0.02, "stop-prefill": 0.02,
-                 "stop-decode": 0.02, "kill-prefill": 0.005, "kill-decode": 0.005, "fail-part-way": 0.02}
+                 "stop-decode": 0.02, "kill-prefill": 0.005, "kill-decode": 0.005, "fail-part-way": 0.02,
+                 "rolling-restart": 0.0005}  # a roll restarts every server: a few per half hour
 
 KINDS = {
     "fits": "a prompt that fits, lengths across page and chunk boundaries",
@@ -54,6 +59,7 @@ class Step:
     fault_after_s: float
     stop_s: float  # a stop fault's length
     variant: int  # which malformed body, which second prompt of a batch
+    target: int = 0  # which server of its role a server fault hits (taken modulo their count)
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ class SoakPlan:
         kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
         stop = STOP_ABOVE if rng.random() < 0.5 else STOP_BELOW
         return Step(client, index, kind, rng.randrange(1 << 16), fault, rng.uniform(*FAULT_AFTER_S),
-                    rng.uniform(*stop) * self.release_timeout_s, rng.randrange(1 << 16))
+                    rng.uniform(*stop) * self.release_timeout_s, rng.randrange(1 << 16), rng.randrange(1 << 16))
 
 
 def _can_carry(kind: str, fault: str | None) -> bool:

@@ -29,7 +29,7 @@ class Rss:
 
 @dataclass
 class SoakReport:
-    cluster: dict  # base, backend, lb
+    cluster: dict  # base, backend, lb, servers ("2x2": prefills x decodes)
     seed: int
     seconds: float = 0.0
     bound_s: float = 0.0
@@ -64,27 +64,31 @@ class SoakReport:
             "outcomes": dict(Counter(o.verdict for o in self.outcomes if not o.violation)),
             "by_kind": {k: dict(Counter(o.verdict for o in self.outcomes if o.step.kind == k))
                         for k in sorted({o.step.kind for o in self.outcomes})},
-            "faults": {name: {"landed": faults[(name, True)], "skipped": faults[(name, False)]}
+            "faults": {name: {"landed": faults[(name, True)], "skipped": faults[(name, False)],
+                              "on": dict(sorted(Counter(f.targets[0] for f in self.faults
+                                                        if f.name == name and f.landed and len(f.targets) == 1).items()))}
                        for name in sorted({f.name for f in self.faults})},
             "violations": {k: {"count": len(v), "examples": v[:EXAMPLES]} for k, v in self.violations().items()},
             "failures": dict(Counter(o.detail[:FAILURE_CHARS] for o in self.outcomes if o.verdict == "failed")
                              .most_common(EXAMPLES * 2)),
             "worst_wait_s": round(self.worst_wait_s, 1),
-            "rss_mib": {role: {"start": round(r.start_mib), "end": round(r.end_mib), "growth": round(r.growth_mib),
-                               "restarted": r.restarted} for role, r in self.rss.items()},
+            "rss_mib": {name: {"start": round(r.start_mib), "end": round(r.end_mib), "growth": round(r.growth_mib),
+                               "restarted": r.restarted} for name, r in self.rss.items()},
         }
 
     def table(self) -> str:
         data = self.to_json()
         rows = [("requests", verdict, n, OUTCOMES[verdict]) for verdict, n in sorted(data["outcomes"].items())]
-        rows += [("fault", name, f"{c['landed']} (+{c['skipped']} skipped)" if c["skipped"] else c["landed"], "")
+        rows += [("fault", name, f"{c['landed']} (+{c['skipped']} skipped)" if c["skipped"] else c["landed"],
+                  ", ".join(f"{server} {n}" for server, n in c["on"].items()) if len(c["on"]) > 1 else "")
                  for name, c in data["faults"].items()]
         rows += [("VIOLATION", kind, v["count"], v["examples"][0][:110]) for kind, v in data["violations"].items()]
         rows += [("worst wait", "", f"{data['worst_wait_s']} s", f"bound {data['bound_s']} s")]
-        rows += [("rss", role, f"{r['growth']:+d} MiB", f"{r['start']} -> {r['end']} MiB" + " (restarted)" * r["restarted"])
-                 for role, r in data["rss_mib"].items()]
+        rows += [("rss", name, f"{r['growth']:+d} MiB", f"{r['start']} -> {r['end']} MiB" + " (restarted)" * r["restarted"])
+                 for name, r in data["rss_mib"].items()]
         verdict = "no violations" if self.ok else f"{sum(len(v) for v in self.violations().values())} violations"
-        head = (f"soak of {self.cluster['base']} {self.cluster['backend']} behind {self.cluster['lb']}, seed {self.seed}: "
+        head = (f"soak of {self.cluster['base']} {self.cluster['backend']} {self.cluster['servers']} "
+                f"behind {self.cluster['lb']}, seed {self.seed}: "
                 f"{len(self.outcomes)} requests in {self.seconds:.0f} s, {verdict}")
         return head + "\n" + format_table(("what", "which", "count", "note"), rows)
 

@@ -1,16 +1,18 @@
 """A soak on a running instrumented cluster: clients, faults, then the end checks (pages
-back to idle on both roles, the ledger clean, no process of a killed server left, memory)."""
+back to idle on every server, the ledger clean, no process of a killed server left, memory)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Callable
 
 from ...operations.oracle import token_counts
 from ...runtime.source_hold import HOLD_TIMEOUTS
-from ..cluster import RESTART_DEADLINE_S, Cluster, marked_pids
+from ..cluster import Cluster, marked_pids
 from ..instruments import Instruments
 from ..ledger import Ledger, UnsafeFree
 from .catalogue import build
@@ -53,9 +55,10 @@ def run_soak(cluster: Cluster, plan: SoakPlan, restart: Callable[[str], None] | 
     cat = build(cluster.lb_url, lambda texts: token_counts(cluster.prefill_url, texts, plan.bound_s), cluster.params,
                 plan.seed, plan.bound_s, [k for k, w in plan.mix.items() if w > 0])
     idle = cluster.used_tokens()
-    rss_start = {role: rss_mib(cluster.procs[role].pid) for role in ("prefill", "decode")}
+    rss_start = {name: rss_mib(cluster.procs[name].pid) for name in injector.servers()}
     p = cluster.params
-    report = SoakReport({"base": p.base, "backend": p.backend, "lb": p.lb}, plan.seed, bound_s=plan.bound_s)
+    report = SoakReport({"base": p.base, "backend": p.backend, "lb": p.lb, "servers": f"{p.prefills}x{p.decodes}"},
+                        plan.seed, bound_s=plan.bound_s)
     lock = threading.Lock()
     end = time.monotonic() + plan.duration_s
 
@@ -91,13 +94,13 @@ def run_soak(cluster: Cluster, plan: SoakPlan, restart: Callable[[str], None] | 
             bad = sum(o.violation for o in report.outcomes)
             progress(f"{time.monotonic() - began:5.0f} s  requests {len(report.outcomes)}  "
                      f"faults {len(injector.events)}  violations so far {bad}")
-    injector.finish(plan.bound_s + RESTART_DEADLINE_S)  # a kill drawn near the end restarts its server
+    injector.finish(plan.bound_s + injector.longest_s)  # a kill or a roll drawn near the end restarts its servers
     if injector.error:
         raise injector.error
     report.faults = sorted(injector.events, key=lambda f: f.at)
     report.end_violations = _end_checks(cluster, injector, idle, plan, began)
-    report.rss = {role: Rss(rss_start[role], rss_mib(cluster.procs[role].pid),
-                            any(f.landed and f.name == f"kill-{role}" for f in report.faults)) for role in rss_start}
+    restarted = {name for f in report.faults if f.landed and f.name.startswith(("kill-", "rolling-")) for name in f.targets}
+    report.rss = {name: Rss(rss_start[name], rss_mib(cluster.procs[name].pid), name in restarted) for name in rss_start}
     report.seconds = time.monotonic() - began
     return report
 
@@ -119,8 +122,11 @@ def _end_checks(cluster: Cluster, injector: Injector, idle: dict[str, int], plan
     ledger = Ledger(injector.instruments.ledger_dir)
     found += [("page-freed-under-write", f"decode {line}") for line in _by_room(ledger.unsafe_frees(killed=injector.killed), began)]
     # a prefill page freed under a write into a decode killed meanwhile: nobody reads what it sends
+    into = defaultdict(set)  # room -> the decode processes its pages were taken in
+    for e in ledger.of("expose"):
+        into[e["room"]].add(e["pid"])
     source = [u for u in ledger.unsafe_source_frees(killed=injector.killed)
-              if not any(u.write_begin <= k <= u.freed_at for k in injector.decode_kills)]
+              if not any(u.write_begin <= injector.killed.get(pid, -math.inf) <= u.freed_at for pid in into[u.room])]
     found += [("source-freed-under-write", f"prefill {line}") for line in _by_room(source, began)]
     live = {pid for proc in cluster.procs.values() for pid in group_pids(proc.pid)}
     found += [("process-leaked", f"process {pid} of the sandbox outlived its server")

@@ -54,7 +54,9 @@ request frees exactly the pages its page table holds.
 
 A fault file's name may end in ``@RANK`` (``drop-last-page@1``): then it hits that tensor-parallel
 rank's transfers only (the process's ``torch.distributed`` rank; one-rank servers are rank 0), as a
-fault on one GPU or one NIC of a multi-rank server would.
+fault on one GPU or one NIC of a multi-rank server would; and in ``#GROUP``
+(``fail-part-way#4242``): then it hits the server whose process group that is only (every sandbox
+server leads a group of its own, its ranks in it), one server of several failing while the others serve.
 
 H8 refuses each read fault: the page read does not carry the request's (room, epoch).
 A dropped page's row was reset when decode allocated it and no row came; a
@@ -90,12 +92,14 @@ def armed(fault: str, pages: int) -> bool:
         return False
     try:
         with open(path) as f:
-            name, _, rank = f.read().strip().partition("@")
+            text = f.read().strip()
     except FileNotFoundError:
         return False
-    if name and name not in FAULTS or rank and not rank.isdigit():
-        raise ValueError(f"{path}: {name + '@' * bool(rank) + rank!r} is not one of {FAULTS}, optionally @RANK")
-    return name == fault and (not rank or int(rank) == _rank())
+    named, _, group = text.partition("#")
+    name, _, rank = named.partition("@")
+    if name and name not in FAULTS or rank and not rank.isdigit() or group and not group.isdigit():
+        raise ValueError(f"{path}: {text!r} is not one of {FAULTS}, optionally @RANK and #GROUP")
+    return name == fault and (not rank or int(rank) == _rank()) and (not group or int(group) == os.getpgrp())
 
 
 def _hit(fault: str, room, what: str) -> None:
