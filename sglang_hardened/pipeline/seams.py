@@ -21,7 +21,9 @@ from ..common.table import markdown_table
 from . import unidiff
 
 GLUE_LINES_MAX = 3  # per vendor patch and upstream file
-RUNTIME_MARK = "hardened"  # every seam imports the runtime as ``hardened_<module>`` (or names sglang_hardened)
+# A runtime line: the code (its comment aside) imports the runtime, or calls through an alias a
+# seam imports it under (``hardened_<module>.f(``), not merely a line that mentions "hardened".
+RUNTIME_LINE = re.compile(r"\bfrom sglang_hardened\.runtime import |\bhardened_\w+\.\w+")
 
 
 def _inserted(hunk: unidiff.Hunk) -> list[tuple[int, int]]:
@@ -49,7 +51,7 @@ def glue_lines(diff: str) -> dict[str, list[str]]:
                 line = raw.strip()
                 if not line or line.startswith("#"):
                     continue
-                if open_call > 0 or RUNTIME_MARK in line:
+                if open_call > 0 or RUNTIME_LINE.search(line.split("#", 1)[0]):
                     open_call = max(0, open_call + _depth(line))
                 else:
                     glue.setdefault(fp.target, []).append(line)

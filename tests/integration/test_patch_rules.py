@@ -14,7 +14,7 @@ FORWARDED = re.compile(r"https?://\S+|(?:no|not-needed), \S.{9,}")
 
 SEAM = '''--- a/sglang/srt/x.py
 +++ b/sglang/srt/x.py
-@@ -1,3 +1,9 @@
+@@ -1,3 +1,11 @@
  def f(a):
 +    if not hardened_startup.check(
 +        a,
@@ -22,13 +22,17 @@ SEAM = '''--- a/sglang/srt/x.py
 +    ):
 +        return False
 +    # a comment is not glue
++    a = a + 1  # sglang-hardened: a comment naming the layer makes no line a seam
++    a.hardened = True
      return a
  
 '''
 
 
 def test_a_runtime_call_and_its_arguments_are_seam_and_the_rest_is_glue():
-    assert seams.glue_lines(SEAM) == {"sglang/srt/x.py": ["return False"]}
+    assert seams.glue_lines(SEAM) == {"sglang/srt/x.py": [
+        "return False", "a = a + 1  # sglang-hardened: a comment naming the layer makes no line a seam",
+        "a.hardened = True"]}
 
 
 def test_verify_fails_a_vendor_patch_with_logic_in_upstream_files(run_cli, tree_copy):
