@@ -9,10 +9,10 @@ Tier and cost (2026-12-06, `scripts/test tests/e2e/test_replicas.py` on the shar
 machine, load average 15-20; a 2x2 start loads four servers, about twice a pair's):
 - gate: the H7 pair, two 2x2 starts (upstream and hardened 0.5.23): 224 s at load 20 (starts of
   66 s and 107 s), 393 s at load 40 (88 s and 117 s);
-- full: a hardened 2x2 fault cluster (one start, 75-92 s) on which a prefill and a decode are
-  killed and replaced (two restarts, 64-86 s each; a third when both decodes' writes would share a
-  transfer queue, one run in 16), every balancer's smoke and the oracle: about 400 s. Upstream's
-  (the same again) runs in the full matrix only: it holds these faults too;
+- full: a hardened 2x2 fault cluster (one start) on which a prefill and a decode are killed and
+  replaced (two restarts; a third when both decodes' writes would share a transfer queue, one run
+  in 16), every balancer's smoke and the oracle: 618 s at load 35 (start 145 s, restarts 153 s and
+  65 s). Upstream's (the same again) runs in the full matrix only: it holds these faults too;
 - full: the incident across instances, upstream and hardened 0.5.19 on 2x2 (two starts, 100 s
   and 147 s), 485 s.
 """
