@@ -194,6 +194,9 @@ def soak(name: str, seed: int, clients: int, duration: float, rates: tuple[str, 
     Example:
       sglang-hardened sandbox soak --seed 7 --duration 120 --rate kill-decode=0 --json
       sglang-hardened sandbox soak --seed 4242 --duration 300 --rate rolling-restart=0.002   # on --prefills 2 --decodes 2
+      sglang-hardened sandbox up --base 0.5.23 --hardened --instrument --inflight && sglang-hardened sandbox soak
+
+    A sandbox started with --inflight soaks in that mode (each forward's result released late).
     """
     from .soak.faults import RestartFailed  # they read the checkout's overlay: a soak runs from one
     from .soak.run import run_soak
@@ -217,6 +220,8 @@ def soak(name: str, seed: int, clients: int, duration: float, rates: tuple[str, 
         raise click.ClickException(f"{e}\nsandbox {name!r} stopped: nothing of it is left running") from e
     except (SandboxError, HardenedError) as e:
         raise click.ClickException(str(e)) from e
+    if not as_json and cluster.params.inflight_s:
+        click.echo(f"in flight: each forward's result released {cluster.params.inflight_s:g} s after it returned")
     click.echo(json.dumps(report.to_json(), indent=1) if as_json else report.table())
     if not report.ok:
         raise SystemExit(1)

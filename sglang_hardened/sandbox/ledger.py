@@ -193,6 +193,13 @@ class Ledger:
         """When the room's last write returned."""
         return max(w.end for w in self.writes() if w.room == room)
 
+    def frees_of(self, room: int) -> list[dict]:
+        """Decode's frees of pages it exposed to ``room``, after its last exposure, in order (none
+        when it exposed none)."""
+        exposures = [e for e in self.of("expose") if e["room"] == room]
+        return [f for f in self.of("free") if exposures and f["t"] > exposures[-1]["t"]
+                and set(f["pages"]) & set(exposures[-1]["pages"])]
+
     def held_after_write_s(self, room: int) -> float:
         """Seconds from the room's last write returning to decode freeing its pages
         (negative: freed while the write was in flight)."""

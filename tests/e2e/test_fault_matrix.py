@@ -109,6 +109,9 @@ def _both(base: str, backend: str, between_hosts: bool = False) -> list[Build]:
 # same cases Mooncake's does (a prefill abort, a stalled prefill); the full matrix: both
 # builds everywhere (docs/testing.md has what CI shows where).
 BUILDS = [b for base, backend in core() for b in _both(base, backend)] + ([] if FULL_MATRIX else [Build("0.5.23", "nixl", True)])
+# The same cases and the soak with each forward's result released later than it returns (a GPU
+# batch in flight, ``sandbox up --inflight``), both builds of 0.5.23 on Mooncake: the full run.
+BUILDS += [Build("0.5.23", "mooncake", hardened, inflight=True) for hardened in (False, True)]
 # Decode stopped over UCX TCP: hardened on the core bases, upstream's unbounded wait shown on
 # 0.5.23 in CI (0.5.19's is the same loop) and on every base in the full matrix.
 STALL_BUILDS = [Build(base, "nixl", hardened, between_hosts=True) for base in sorted({base for base, _ in core()})
@@ -236,6 +239,9 @@ def _report(fc: FaultCluster, fault: str, req: InFlight, unsafe: list | None = N
     else:
         held = Ledger(fc.ledger_dir).held_after_write_s(req.room)
         pages = f"pages freed {held:.3f} s after the write returned"
+    if b.inflight:  # how many of decode's frees of the room's pages came beside an unfinished batch
+        stamps = [f.get("in_flight", 0) for f in Ledger(fc.ledger_dir).frees_of(req.room)]
+        pages += f"; {sum(n > 0 for n in stamps)} of its {len(stamps)} frees with a batch in flight"
     print(f"\n{fault} {fc.name}: {role} answered {ans.status} after {ans.seconds:.1f} s; {pages}")
     return held
 
