@@ -31,6 +31,8 @@ os.environ[TEST_SESSION.name] = f"{os.getpid()}-{time.time_ns()}"
 SESSION_MARK = f"{TEST_SESSION.name}={TEST_SESSION.raw()}"
 # (scenario, base, backend, build, status, seconds): upstream and hardened in the same run
 TIMINGS: list[tuple[str, str, str, str, int, float]] = []
+# (base, server, its scheduler's event loops): what every start's servers logged (Cluster.event_loops)
+EVENT_LOOPS: set[tuple[str, str, str]] = set()
 EnvKey = tuple[str, bool, tuple[str, ...], Path | None, str]
 _ENVS: dict[EnvKey, Future[SandboxEnv]] = {}
 _ENVS_LOCK = threading.Lock()
@@ -159,6 +161,7 @@ def launch(env: SandboxEnv, model: str = "tiny", prefill_env: SandboxEnv | None 
     p = sbc.ClusterParams(base=env.base, **params)
     with phase(f"{CLUSTER_START} {p.base} {p.backend}"):
         c = sbc.start(env, p, ensure_model(env, model), prefill_env=prefill_env)
+    EVENT_LOOPS.update((p.base, server, ", ".join(sorted(loops))) for server, loops in c.event_loops().items())
     PORTS_USED.extend(proc.port for proc in c.procs.values())
     PORTS_USED.extend(c.bootstrap_ports.values())
     return c
@@ -198,6 +201,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
                 for s, base, backend, build, status, seconds in sorted(set(TIMINGS))]
         terminalreporter.write_line("\nclient waits (same run):")
         terminalreporter.write_line(format_table(("scenario", "base", "backend", "build", "status", "seconds"), rows))
+    if EVENT_LOOPS:
+        terminalreporter.write_line("\nevent loops the servers' schedulers ran (every start):")
+        terminalreporter.write_line(format_table(("base", "server", "event loop"), sorted(EVENT_LOOPS)))
     if ON_DEMAND:
         terminalreporter.write_line(f"\nenvironments built when a test asked (not in conftest's prewarm list): "
                                     f"{', '.join(ON_DEMAND)}")
