@@ -126,7 +126,8 @@ def observe_probes(cluster: Cluster, probes: dict[str, str],
                    send: Callable[[str], Reply] | None = None) -> dict[str, Verdict]:
     """Each probe after tenant A1's and A2's histories (two rounds): enough A requests
     to cycle decode's whole free list, so unwritten pages hold A's KV, not zeros. Sent
-    through the cluster's load balancer, or by ``send`` (``via_pair``: one prefill and decode)."""
+    through the cluster's load balancer, or by ``send`` (``via_pair``: one prefill and decode;
+    or a sender that injects a fault into the probes only)."""
     repeats = math.ceil(cluster.params.decode_pool_tokens / A_TOKENS) + 1
     histories = {label: [prompt] * repeats for label, prompt in TENANT_A.items()}
     return differential_checks(send or cluster.generate, probes, histories, rounds=2)

@@ -5,7 +5,10 @@ The scenarios are test_oversized.py's and test_page_tags.py's, run with 64-token
 paged allocator has no CPU path for pages over one token, so 0.5.23 only). Beside them run
 ``LAST_PAGE``, which ends on decode in the page after prefill's last one, partly filled and
 written by no transfer for it, and ``PAGE_ENDS`` (63 to 129 tokens), which fit both limits and
-must be served as on any page size. Full tier only (no claim: the gate shows H3, H4 and H8 with
+must be served as on any page size. The injected fault ``drop-last-page`` (Mooncake's sender
+leaves a chunk's last page out, tests/cpu_overlay/site/sgl_faults.py) then hits ``PARTIAL_LAST``,
+whose last page is partly filled: upstream answers 200 from another tenant's KV there (the
+differential oracle), hardened refuses it naming H8. Full tier only (no claim: the gate shows H3, H4 and H8 with
 16- and one-token pages); each test's cost is in its docstring, measured 2026-12-06 on this 2-core
 host (the high ends at load 12-17).
 """
@@ -14,11 +17,14 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_hardened.operations.oracle import Reply
+from sglang_hardened.sandbox.env import overlay_module
 from sglang_hardened.sandbox.ledger import Ledger
 
 from .conftest import sandbox_env
-from .scenarios import (DEPTH, FULL_MATRIX, LAST_PAGE, LAST_PAGE_TOKENS, PAGE_ENDS, RECIPE_PAGE, TIMEOUT_PARAMS, TRUNC_PREFILL_TOKENS,
-                        replies, shows_nothing_decoded)
+from .scenarios import (DEPTH, FITTING_C, FULL_MATRIX, LAST_PAGE, LAST_PAGE_TOKENS, PAGE_ENDS, RECIPE_PAGE, SAFE_PARAMS,
+                        TIMEOUT_PARAMS, TRUNC_PREFILL_TOKENS, observe_probes, prompt_of, replies, shows_nothing_decoded,
+                        wait_pages_idle)
 from .test_oversized import (client_waits_for_decode, error_reaches_client_at_once, hardened_truncation,
                              unowned_reads, upstream_truncation)
 from .test_page_tags import REFUSED, h8_truncation
@@ -31,6 +37,16 @@ BACKENDS = ["mooncake", "nixl"]  # the hardened truncations: both transports' pa
 UPSTREAM_BACKENDS = BACKENDS if FULL_MATRIX else ["mooncake"]
 PROBES = {"last_page": LAST_PAGE, **PAGE_ENDS}
 PREFILL_END = -(-TRUNC_PREFILL_TOKENS // RECIPE_PAGE) * RECIPE_PAGE  # 512: where prefill's last page ends
+faults = overlay_module("sgl_faults")
+# One full page and 30 positions of a second: drop-last-page leaves the partly filled one out. The
+# faults' floor is two pages here, so the one-page readiness probe and FITTING_C (80 tokens) are hit
+# too: the control is a prompt that fits one page.
+PARTIAL_LAST = prompt_of(94)
+ONE_PAGE = prompt_of(40)
+FAULT_ENV = (f"{faults.MIN_PAGES_ENV}=2",)
+# Prefill's radix cache off: with it on, only the first (uncached) probe's transfer was hit; each
+# later one, its first page cached, reached the fault in no two-page call.
+NO_PREFIX_CACHE = ("--disable-radix-cache",)
 
 
 def served_from_its_own_kv(verdicts, ledger_dir=None) -> None:
@@ -101,3 +117,45 @@ def test_hardened_page64_over_pool_prompt_answered_at_once(start_cluster):
     decode's timeout, and no page is held after. Cost: one cluster start; 14-89 s."""
     error_reaches_client_at_once(start_cluster(sandbox_env(BASE, hardened=True), backend=BACKEND, **TIMEOUT_PARAMS,
                                                **DEPTH, page_size=RECIPE_PAGE))
+
+
+def _fault_cluster(start_cluster, switch, hardened: bool, model: str):
+    """Page 64 on both roles, limits H7 accepts, drop-last-page switched by ``switch``."""
+    switch.write_text("")
+    return start_cluster(sandbox_env(BASE, hardened=hardened), model, backend=BACKEND, **SAFE_PARAMS,
+                         page_size=RECIPE_PAGE, extra_flags=NO_PREFIX_CACHE,
+                         extra_env=(*FAULT_ENV, f"{faults.FILE_ENV}={switch}"))
+
+
+@pytest.mark.parametrize("model", ["tiny", "deepseek"], ids=["mha", "mla"])  # MLA: one latent KV head, one tag slot
+@pytest.mark.parametrize("hardened", [False, True], ids=["upstream", "hardened"])
+def test_page64_partial_last_page_left_out_by_the_sender(start_cluster, tmp_path, hardened, model):
+    """drop-last-page on a prompt whose last page holds 30 positions: upstream answers 200 with
+    output that moves with the tenant before (the differential oracle; the page ledger records the
+    write above the fault, so it cannot see the page left out); hardened (every id, as shipped)
+    refuses it with a 500 naming H8 and nothing decoded, serves a one-page prompt under the same
+    fault, and holds no page after. Cost: one cluster start each; see docs/shapes.md."""
+    switch = tmp_path / "fault"
+    cluster = _fault_cluster(start_cluster, switch, hardened, model)
+    idle = cluster.used_tokens()
+
+    def probes_faulted(prompt: str) -> Reply:
+        """The fault on for the probes only: the tenants' writes before them land whole."""
+        switch.write_text("drop-last-page" if prompt in (PARTIAL_LAST, ONE_PAGE) else "")
+        try:
+            return cluster.generate(prompt)
+        finally:
+            switch.write_text("")
+
+    v = observe_probes(cluster, {"partial_last": PARTIAL_LAST, "one_page": ONE_PAGE}, probes_faulted)
+    print({name: {label: v[name].outputs(label) for label in v[name].replies} for name in v})
+    hits = cluster.log_tail("prefill", 10**6).count("SANDBOX PAGE FAULT drop-last-page:")
+    assert hits >= 4, hits
+    assert all(r.status == 200 for r in replies(v["one_page"])) and not v["one_page"].leaked, v["one_page"].replies
+    if hardened:
+        assert all(r.status == 500 and REFUSED in r.body for r in replies(v["partial_last"])), v["partial_last"].replies
+        assert shows_nothing_decoded(v["partial_last"]), v["partial_last"].replies
+        assert cluster.generate(FITTING_C).status == 200
+        assert wait_pages_idle(cluster, idle) == idle
+    else:
+        assert all(r.status == 200 for r in replies(v["partial_last"])) and v["partial_last"].leaked, v["partial_last"].replies

@@ -5,7 +5,8 @@ fault can be shown refused by H8 (hardened) and read behind a 200 by the
 differential oracle (upstream). Off unless ``SANDBOX_PAGE_FAULT_FILE`` names a
 file; the fault is the name that file holds when a hook runs (empty: none), so
 one cluster serves several faults in turn. Each fault hits transfers of at least
-``MIN_PAGES`` pages only (a cluster's one-word readiness probe is served), and
+``MIN_PAGES`` pages only (a cluster's one-word readiness probe is served; ``MIN_PAGES_ENV``
+lowers it for large pages, where one page holds the probe and two a short prompt), and
 prints one ``SANDBOX PAGE FAULT`` line to stderr per hit: the tests assert it,
 so an edit that no longer applies to a base is noticed.
 
@@ -74,7 +75,8 @@ import time
 
 FILE_ENV = "SANDBOX_PAGE_FAULT_FILE"
 FAULTS = ("drop-last-page", "stale-page-index", "page-reused-early", "fail-part-way", "post-rejected", "aux-cut")
-MIN_PAGES = 16
+MIN_PAGES_ENV = "SANDBOX_PAGE_FAULT_MIN_PAGES"
+MIN_PAGES = int(os.environ.get(MIN_PAGES_ENV, "16"))
 SETTLE_S = 30.0  # how long a NIXL fault waits for the half write it posted to settle
 LATE_S = 3.0  # how late post-rejected's half lands: under the release timeout, well after an ack at once
 
