@@ -73,6 +73,8 @@ def sandbox() -> None:
               help=f"A batch in flight: each forward's result reaches the scheduler {INFLIGHT_S:g} s after the forward "
                    "returns, as a GPU's does once its batch has run, so the overlap loop's PD queues run beside "
                    "an unfinished batch (tests/cpu_overlay/site/sgl_inflight.py).")
+@click.option("--prefill-pp", type=int, default=1, show_default=True,
+              help="Prefill's pipeline-parallel stages (gloo on CPU; decode runs one).")
 @click.option("--model", "model", type=click.Choice(sorted(VARIANTS)), default=None,
               help="Tiny model variant [default: tiny; qwen3 with --dp: upstream's Llama cannot run DP attention].")
 @click.option("--prefills", type=int, default=1, show_default=True,
@@ -85,7 +87,8 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, ba
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
        overlay: Path | None, instrument: bool, tp: int, decode_tp: int | None, dp: int, inflight: bool,
-       model: str | None, prefills: int, decodes: int, prefill_limits: tuple[int, ...]) -> None:
+       model: str | None, prefills: int, decodes: int, prefill_limits: tuple[int, ...],
+       prefill_pp: int) -> None:
     """Build the environment if needed and start a cluster.
 
     \b
@@ -99,6 +102,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, ba
       sglang-hardened sandbox up --base 0.5.23 --hardened --prefills 2 --decodes 2 --lb smg
       sglang-hardened sandbox up --base 0.5.23 --hardened --prefills 2 --prefill-limit 600 --prefill-limit 1024
       sglang-hardened sandbox up --base 0.5.23 --model deepseek --page-size 64 --inflight --instrument
+      sglang-hardened sandbox up --base 0.5.23 --model deepseek --page-size 64 --prefill-pp 2
     """
     try:
         old = _load(name)
@@ -111,7 +115,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, ba
                                waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env,
                                lb=lb, via_launch=via_launch, instrument=instrument, tp=tp, decode_tp=decode_tp, dp=dp,
                                prefills=prefills, decodes=decodes, prefill_limits=prefill_limits,
-                               inflight_s=INFLIGHT_S if inflight else 0.0)
+                               inflight_s=INFLIGHT_S if inflight else 0.0, prefill_pp=prefill_pp)
         params.validate()
         if via_launch and (upstream or wheel):
             raise SandboxError("--via-launch needs --hardened: `launch` comes with the hardened build's tool wheel")

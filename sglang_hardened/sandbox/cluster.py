@@ -95,6 +95,7 @@ class ClusterParams:
     # each forward's result reaches the scheduler this long after the forward returns (the overlay's
     # sgl_inflight: a GPU batch still running while the overlap loop goes on); 0: at once, as on CPU
     inflight_s: float = 0.0
+    prefill_pp: int = 1  # prefill's pipeline-parallel stages (decode runs one), as PP prefill deployments do
 
     def count(self, role: str) -> int:
         """How many servers of ``role`` the cluster runs."""
@@ -106,6 +107,10 @@ class ClusterParams:
 
     def role_tp(self, role: str) -> int:
         return self.decode_tp if role == "decode" and self.decode_tp is not None else self.tp
+
+    def role_ranks(self, role: str) -> int:
+        """The processes ``role`` runs its model on: TP ranks times PP stages."""
+        return self.role_tp(role) * (self.prefill_pp if role == "prefill" else 1)
 
     def validate(self) -> None:
         if self.base not in CUDA_GRAPHS_OFF:
@@ -126,6 +131,8 @@ class ClusterParams:
             raise SandboxError(f"the in-flight delay must be 0 (off) or more, not {self.inflight_s}")
         if self.dp < 1:
             raise SandboxError(f"the DP size must be at least 1, not {self.dp}")
+        if self.prefill_pp < 1:
+            raise SandboxError(f"prefill's PP size must be at least 1, not {self.prefill_pp}")
         for role in ("prefill", "decode"):
             if self.role_tp(role) < 1 or self.role_tp(role) % self.dp:
                 raise SandboxError(f"{role}'s TP size {self.role_tp(role)} must be a positive multiple of the "
@@ -381,8 +388,10 @@ def _server_cmd(env: SandboxEnv, p: ClusterParams, model: Path, spec: ServerSpec
 
 
 def parallel_flags(p: ClusterParams, role: str) -> list[str]:
-    """TP and DP-attention sizes; none for one rank, so a one-rank command is what it always was."""
+    """TP, DP-attention and (prefill's) PP sizes; none for one rank, so a one-rank command is what it always was."""
     flags = ["--tp-size", str(p.role_tp(role))] if p.role_tp(role) > 1 else []
+    if role == "prefill" and p.prefill_pp > 1:
+        flags += ["--pp-size", str(p.prefill_pp)]
     return flags + (["--dp-size", str(p.dp), "--enable-dp-attention"] if p.dp > 1 else [])
 
 
@@ -411,8 +420,8 @@ def child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instr
     """A child's environment; ``role`` names a server's, whose ranks get their cores; ``token``
     is the cluster's bootstrap token (H14)."""
     e = env.environ()
-    if role and p.role_tp(role) > 1:
-        e["SGLANG_CPU_OMP_THREADS_BIND"] = rank_cores(p.role_tp(role))
+    if role and p.role_ranks(role) > 1:
+        e["SGLANG_CPU_OMP_THREADS_BIND"] = rank_cores(p.role_ranks(role))
     e.update({
         MARKER: run_id,
         "SGLANG_USE_CPU_ENGINE": "1",

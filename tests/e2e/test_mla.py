@@ -5,6 +5,11 @@ Upstream runs it on CPU as it is, no stand-in: its torch-native attention backen
 layers from upstream's MLA KV pool (one latent of kv_lora_rank + qk_rope_head_dim floats per
 token, one "KV head"), and the transfer engines move that pool's pages. The scenarios are
 test_oversized.py's.
+Across ranks (``LAYOUTS``), on Mooncake: TP 2 on both roles (MLA's one latent head is not split,
+each rank holds the whole latent of its layers), DP attention (TP 2 as two DP groups, how DeepSeek
+decode is deployed; each request on one group's pool), and prefill in two pipeline stages (decode
+one), the layout of upstream's PP-prefill reports (docs/upstream-triage.md): each stage sends its
+layers' pages, and every stage writes the request's metadata row.
 Full tier only (no claim: the gate shows each claim on the tiny Llama); each test's cost is in its
 docstring, measured 2026-12-06 on this 2-core host (the high ends at load 12-17).
 """
@@ -57,3 +62,22 @@ def test_mla_hardened_truncation_is_refused(start_cluster, tmp_path, backend):
     """H3 on MLA: the same prompts refused with a 500 naming H3, a fitting one served, no page
     held after. Cost: one cluster start; Mooncake 29-38 s, NIXL 63-64 s."""
     hardened_truncation(start_cluster, BASE, backend, tmp_path, RECIPE_PAGE, model=MODEL)
+
+
+# Rank layouts on MLA: each one cluster start per build (Mooncake), the truncation's probes on it.
+LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(tp=2, dp=2), "prefill-pp2": dict(prefill_pp=2)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_ranks_upstream_truncation_reads_other_tenants_kv(start_cluster, tmp_path, layout):
+    """Upstream's truncation on MLA across ranks: decode reads latent KV no transfer wrote for
+    the request behind a 200 (pages apart by the oracle, in one page by the ledger's slots).
+    Cost: one cluster start each; see docs/shapes.md."""
+    upstream_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, model=MODEL, layout=LAYOUTS[layout])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_ranks_hardened_truncation_is_refused(start_cluster, tmp_path, layout):
+    """H3 on MLA across ranks: the same prompts refused with a 500 naming H3 on every rank, a
+    fitting one served, no page held after. Cost: one cluster start each; see docs/shapes.md."""
+    hardened_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, model=MODEL, layout=LAYOUTS[layout])

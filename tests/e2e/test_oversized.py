@@ -109,10 +109,12 @@ def test_upstream_truncation_with_unequal_limits_reads_other_tenants_kv(start_cl
 
 
 def upstream_truncation(start_cluster, base: str, backend: str, ledger_dir, page_size: int = 16,
-                        extra: dict[str, str] | None = None, model: str = "tiny") -> dict[str, Verdict]:
-    """The upstream truncation scenario at ``page_size`` on ``model`` (one cluster start); ``extra``
-    probes run beside it, all answered 200, their verdicts returned for the caller to judge."""
-    cluster = start_cluster(sandbox_env(base), model, backend=backend, **trunc_params(page_size),
+                        extra: dict[str, str] | None = None, model: str = "tiny",
+                        layout: dict | None = None) -> dict[str, Verdict]:
+    """The upstream truncation scenario at ``page_size`` on ``model`` (one cluster start, ranks as
+    ``layout`` says: tp, dp, prefill_pp); ``extra`` probes run beside it, all answered 200, their
+    verdicts returned for the caller to judge."""
+    cluster = start_cluster(sandbox_env(base), model, backend=backend, **trunc_params(page_size), **(layout or {}),
                             extra_env=(f"{writer.DIR_ENV}={ledger_dir}",))
     with phase(f"scenario truncation {base} upstream {backend} page {page_size}"):
         v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE, **(extra or {})})
@@ -148,11 +150,13 @@ def test_hardened_truncation_with_unequal_limits_is_refused(start_cluster, base,
 
 
 def hardened_truncation(start_cluster, base: str, backend: str, ledger_dir, page_size: int = 16,
-                        extra: dict[str, str] | None = None, model: str = "tiny") -> dict[str, Verdict]:
-    """The hardened truncation scenario at ``page_size`` on ``model`` (one cluster start); ``extra``
-    probes run beside it, their verdicts returned for the caller to judge (pages are idle after)."""
+                        extra: dict[str, str] | None = None, model: str = "tiny",
+                        layout: dict | None = None) -> dict[str, Verdict]:
+    """The hardened truncation scenario at ``page_size`` on ``model`` (one cluster start, ranks as
+    ``layout`` says); ``extra`` probes run beside it, their verdicts returned for the caller to
+    judge (pages are idle after)."""
     cluster = start_cluster(sandbox_env(base, hardened=True), model, backend=backend, **trunc_params(page_size),
-                            extra_env=(*DEPTH["extra_env"], f"{writer.DIR_ENV}={ledger_dir}"))
+                            **(layout or {}), extra_env=(*DEPTH["extra_env"], f"{writer.DIR_ENV}={ledger_dir}"))
     idle = cluster.used_tokens()
     sent = f"prefill sends {-(-TRUNC_PREFILL_TOKENS // page_size)}"  # pages prefill's 506 tokens fill
     with phase(f"scenario truncation {base} hardened {backend} page {page_size}"):

@@ -55,3 +55,15 @@ def test_a_layout_sglang_cannot_start_is_refused_naming_the_role(layout):
 def test_a_dp_size_below_one_is_refused_not_divided_by(dp):
     with pytest.raises(SandboxError, match=f"DP size must be at least 1, not {dp}"):
         ClusterParams(base="0.5.23", tp=2, dp=dp).validate()
+
+
+def test_prefill_pp_runs_stages_on_prefill_only(tmp_path, three_cores):
+    p = ClusterParams(base="0.5.23", tp=2, prefill_pp=2)
+    assert parallel_flags(p, "prefill") == ["--tp-size", "2", "--pp-size", "2"]
+    assert parallel_flags(p, "decode") == ["--tp-size", "2"]
+    env = SandboxEnv("0.5.23", tmp_path / "python", ())
+    # prefill's 4 processes (2 TP ranks x 2 stages) share the 3 cores; decode's 2 ranks the lowest two
+    assert child_env(env, p, "r", role="prefill")["SGLANG_CPU_OMP_THREADS_BIND"] == "1|3|8|1"
+    assert child_env(env, p, "r", role="decode")["SGLANG_CPU_OMP_THREADS_BIND"] == "1|3"
+    with pytest.raises(SandboxError, match="prefill's PP size must be at least 1, not 0"):
+        ClusterParams(base="0.5.23", prefill_pp=0).validate()
