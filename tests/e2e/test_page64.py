@@ -134,7 +134,8 @@ def test_page64_partial_last_page_left_out_by_the_sender(start_cluster, tmp_path
     output that moves with the tenant before (the differential oracle; the page ledger records the
     write above the fault, so it cannot see the page left out); hardened (every id, as shipped)
     refuses it with a 500 naming H8 and nothing decoded, serves a one-page prompt under the same
-    fault, and holds no page after. Cost: one cluster start each; see docs/shapes.md."""
+    fault, and holds no page after. Cost: one cluster start each; 380 s for the four (starts 72-84 s),
+    2026-12-06 at load 14-17."""
     switch = tmp_path / "fault"
     cluster = _fault_cluster(start_cluster, switch, hardened, model)
     idle = cluster.used_tokens()
