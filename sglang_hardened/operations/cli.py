@@ -21,15 +21,17 @@ def _echo_findings(findings: list, json_to: str | None = None) -> None:
 
 
 @click.command("preflight")
-@click.option("--prefill", multiple=True, required=True, metavar="URL", help="A prefill node's HTTP URL (repeatable).")
-@click.option("--decode", multiple=True, required=True, metavar="URL", help="A decode node's HTTP URL (repeatable).")
+@click.option("--prefill", multiple=True, metavar="URL", help="A prefill node's HTTP URL (repeatable).")
+@click.option("--decode", multiple=True, metavar="URL", help="A decode node's HTTP URL (repeatable).")
+@click.option("--gateway", metavar="URL", help="Judge every prefill and decode in this SGLang Model Gateway's "
+              "pool (its GET /workers, with the admin key from $GATEWAY_ADMIN_KEY), beside any --prefill/--decode.")
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per query.")
 @json_option("The report")
 @click.option("--bootstrap/--no-bootstrap", default=True, show_default=True,
               help="Also read each hardened prefill's registered input limit from its bootstrap port (shown, not "
                    "judged); --no-bootstrap where a network policy keeps this host off that port.")
-def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float, json_to: str | None,
-              bootstrap: bool) -> None:
+def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], gateway: str | None, timeout: float,
+              json_to: str | None, bootstrap: bool) -> None:
     """Check every live node of a PD deployment; exit 1 on any unsafe finding, 3 when the only
     ones are nodes that did not answer (nothing judged there).
 
@@ -42,11 +44,17 @@ def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], timeout: float,
     Example:
       sglang-hardened preflight --prefill http://10.0.0.1:30000 --decode http://10.0.0.2:30000
       sglang-hardened preflight --prefill http://prefill:30000 --decode http://decode:30000 --no-bootstrap
+      GATEWAY_ADMIN_KEY=... sglang-hardened preflight --gateway http://127.0.0.1:8000
     """
+    from .gateway_pool import pool
     from .preflight import NODE_COLUMNS, node_row
     from .preflight import preflight as run_preflight
 
-    report = run_preflight(list(prefill), list(decode), timeout, bootstrap)
+    found = pool(gateway, timeout) if gateway else {"prefill": [], "decode": []}
+    prefills, decodes = [*prefill, *found["prefill"]], [*decode, *found["decode"]]
+    if not prefills or not decodes:
+        raise click.UsageError("name at least one --prefill and one --decode, or a --gateway")
+    report = run_preflight(prefills, decodes, timeout, bootstrap)
     say(format_table(NODE_COLUMNS, [node_row(n) for n in report.nodes]), json_to)
     _echo_findings(report.findings, json_to)
     write_json(json_to, report.to_json())
@@ -204,14 +212,17 @@ def deploy() -> None:
               help="A kustomization to render and judge (repeatable); default: the recipe's lws and rbg "
                    "next to the parameter file's folder.")
 def deploy_check(params_file: Path, overlays: tuple[Path, ...]) -> None:
-    """Judge a parameter file with preflight's rules, and the rendered overlays' wiring of the
-    secrets; exit 1 on any unsafe finding.
+    """Judge a parameter file with preflight's rules, and what each rendered overlay would run;
+    exit 1 on any unsafe finding.
 
     Pool vs context on both roles, input limits equal across roles, the same
     page size, KV dtype and transfer backend, and a hardened image tag. Each
     overlay is rendered with `kubectl kustomize`: both roles must take the
-    bootstrap token, and smg its control-plane key, from a Secret. The
-    live servers are judged again by the gateway's preflight gate.
+    bootstrap token, and smg its control-plane key, from a Secret; every image
+    is pinned; the model is mounted where --model-path reads it; smg finds each
+    role's servers by their labels (with a Role that only reads pods) and the
+    gate judges each; a multi-node group takes its place from LWS. The live
+    servers are judged again by the gateway's preflight gate.
 
     \b
     Example:
@@ -219,17 +230,23 @@ def deploy_check(params_file: Path, overlays: tuple[Path, ...]) -> None:
       sglang-hardened deploy check my-site/params.env --overlay my-site/
     """
     from .deploy_check import check, read_params
+    from .deploy_shape import judge_images, judge_model, judge_rbac, judge_servers, servers, volumes_read
     from .deploy_wiring import judge_wiring, overlays_of, render, secrets_read
 
     params = read_params(params_file)
     rendered = {path: render(path) for path in overlays_of(params_file, list(overlays))}
     findings = check(params)
     for path, docs in rendered.items():
-        findings += judge_wiring(docs, os.path.relpath(path))
+        where = os.path.relpath(path)
+        findings += judge_wiring(docs, where) + judge_images(docs, where) + judge_servers(docs, where)
+        findings += judge_model(servers(docs), params.values["MODEL_PATH"], where) + judge_rbac(docs, where)
     click.echo(format_table(("key", "value"), sorted(params.values.items())))
     click.echo()
-    click.echo(format_table(("overlay", "Secret values its pods read"),
-                            [(os.path.relpath(path), ", ".join(secrets_read(docs)) or "-")
+    click.echo(format_table(("overlay", "servers (replicas x pods)", "what you create first"),
+                            [(os.path.relpath(path),
+                              ", ".join(f"{s.component} {s.replicas}x{s.size}" for s in sorted(servers(docs), key=lambda s: s.component, reverse=True)) or "-",
+                              ", ".join([*(f"Secret {s}" for s in secrets_read(docs)),
+                                         *(f"PVC {v}" for v in volumes_read(docs))]) or "-")
                              for path, docs in rendered.items()]))
     _echo_findings(findings)
     unsafe = any(f.severity == "unsafe" for f in findings)

@@ -10,14 +10,17 @@ pool, which H7 at start-up and the gateway's preflight gate judge on the live se
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from ..common.errors import HardenedError
+from ..runtime.policy import load_policy
 from .preflight import Finding, Node, judge
 
-# Every key the file must hold, and what it is; an unknown key is a typo and is refused.
+# Every key the file must hold, and what it is; any other key but the policy's knobs is a typo, refused.
 PARAMS = {
     "IMAGE": "the hardened image, tagged <release>-hardened.<n> as scripts/build-image tags it",
     "GATEWAY_IMAGE": "an image with the SGLang Model Gateway (`smg`) on its PATH",
@@ -28,12 +31,20 @@ PARAMS = {
     "PAGE_SIZE": "both roles' --page-size",
     "KV_CACHE_DTYPE": "both roles' --kv-cache-dtype",
     "TRANSFER_BACKEND": "both roles' --disaggregation-transfer-backend (mooncake or nixl)",
+    "KUBERNETES_API_CIDR": "the API server's addresses the gateway may reach (smg's service discovery)",
 }
 INTEGERS = ("CONTEXT_LENGTH", "PREFILL_MAX_TOTAL_TOKENS", "DECODE_MAX_TOTAL_TOKENS", "PAGE_SIZE")
 TRANSFER_BACKENDS = ("mooncake", "nixl")
 UNSAFE_VALUE = re.compile(r"^\s|\s$|[#'\"]")  # kustomize's env files take the rest of the line as the value
 # scripts/build-image's tag (image/build.py default_tag), with an optional registry and digest
 HARDENED_TAG = re.compile(r":(?P<base>\d+\.\d+\.\d+)-hardened\.\d+(@sha256:[0-9a-f]{64})?$")
+
+
+@cache
+def policy_knobs() -> frozenset[str]:
+    """The hardening policy's environment knobs (runtime/policy.yaml): an operator may set any of
+    them here, and envFrom hands them to both roles' servers, where `launch` reads them."""
+    return frozenset(k.env for k in load_policy() if k.env)
 
 
 @dataclass(frozen=True)
@@ -58,9 +69,10 @@ def read_params(path: Path) -> Params:
         if not line.strip() or line.startswith("#"):
             continue
         key, sep, value = line.partition("=")
-        if not sep or key not in PARAMS:  # the value is not shown: it may be a secret put in the wrong place
-            raise HardenedError(f"{path}:{number}: {key!r} is not one of the recipe's parameters ({', '.join(PARAMS)}); "
-                                "a secret goes in the recipe's Secret, not here (docs/kubernetes.md)")
+        if not sep or key not in PARAMS.keys() | policy_knobs():  # the value is not shown: it may be a secret
+            raise HardenedError(f"{path}:{number}: {key!r} is not one of the recipe's parameters ({', '.join(PARAMS)}) "
+                                "nor a knob of the hardening policy (`sglang-hardened policy show`); a secret goes in the "
+                                "recipe's Secret, not here (docs/kubernetes.md)")
         if key in values:
             raise HardenedError(f"{path}:{number}: {key} is set twice")
         if UNSAFE_VALUE.search(value):
@@ -73,6 +85,10 @@ def read_params(path: Path) -> Params:
     for key in INTEGERS:
         if not re.fullmatch(r"[0-9]+", values[key]) or int(values[key]) <= 0:
             raise HardenedError(f"{where[key]}: {key}={values[key]!r} is not a positive whole number")
+    try:
+        ipaddress.ip_network(values["KUBERNETES_API_CIDR"])
+    except ValueError as exc:
+        raise HardenedError(f"{where['KUBERNETES_API_CIDR']}: KUBERNETES_API_CIDR: {exc}") from None
     return Params(path, values)
 
 
@@ -105,6 +121,9 @@ def check(params: Params) -> list[Finding]:
     if params.values["TRANSFER_BACKEND"] not in TRANSFER_BACKENDS:
         out.append(Finding("unsafe", "TRANSFER_BACKEND", f"{params.values['TRANSFER_BACKEND']!r} is not a backend "
                            "the hardening covers", f"use one of {', '.join(TRANSFER_BACKENDS)}"))
+    if ipaddress.ip_network(params.values["KUBERNETES_API_CIDR"]).prefixlen == 0:
+        out.append(Finding("unsafe", "KUBERNETES_API_CIDR", "the gateway may reach every address on the API "
+                           "server's ports, the internet's included", "name the API server's addresses"))
     base = tag.group("base") if tag else "unknown"
     out += judge([_server(params, "prefill", base), _server(params, "decode", base)])
     return out

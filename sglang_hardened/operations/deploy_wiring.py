@@ -20,7 +20,7 @@ from ..common.errors import HardenedError
 from ..runtime.bootstrap_auth import TOKEN_ENV
 from .preflight import Finding
 
-OVERLAYS = ("lws", "rbg")  # the recipe's own, next to its params/ folder
+OVERLAYS = ("lws", "lws-multinode", "rbg")  # the recipe's own, next to its params/ folder
 COMPONENT = "app.kubernetes.io/component"
 SMG_KEYS_FLAG = "--control-plane-api-keys"  # smg's admin keys, each 'id:name:role:key'
 # smg's flags that carry a credential: each value must end in a $(VAR) filled from a Secret
@@ -53,7 +53,8 @@ def overlays_of(params_file: Path, given: list[Path]) -> list[Path]:
 
 
 def pod_templates(docs: list[dict]) -> dict[str, dict]:
-    """Each workload's pod template by the component it runs (prefill, decode, gateway, canary)."""
+    """Each workload's pod template by the component it runs (prefill, decode, gateway, canary);
+    a multi-node group's workers run its leader's template less the probes (deploy_shape judges them)."""
     out = {}
     for doc in docs:
         spec = doc.get("spec", {})
@@ -61,8 +62,9 @@ def pod_templates(docs: list[dict]) -> dict[str, dict]:
             templates = [spec["template"]]
         elif doc["kind"] == "CronJob":
             templates = [spec["jobTemplate"]["spec"]["template"]]
-        elif doc["kind"] == "LeaderWorkerSet":
-            templates = [spec["leaderWorkerTemplate"]["workerTemplate"]]
+        elif doc["kind"] == "LeaderWorkerSet":  # a multi-node group's leader: the pod that serves
+            lwt = spec["leaderWorkerTemplate"]
+            templates = [lwt.get("leaderTemplate", lwt["workerTemplate"])]
         elif doc["kind"] == "RoleBasedGroup":
             templates = [role["standalonePattern"]["template"] for role in spec["roles"]]
         else:

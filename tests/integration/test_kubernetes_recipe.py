@@ -12,8 +12,10 @@ stand-ins; `deploy check` is run on the shipped recipe and on unsafe parameters 
 from __future__ import annotations
 
 import copy
+import os
 import functools
 import hashlib
+import ipaddress
 import json
 import re
 import shutil
@@ -29,6 +31,7 @@ from click.testing import CliRunner
 from sglang_hardened.cli import main
 from sglang_hardened.common.paths import patches_dir
 from sglang_hardened.image.build import default_tag
+from sglang_hardened.operations.deploy_shape import LWS_ENV
 from sglang_hardened.operations.deploy_wiring import OVERLAYS, SMG_KEYS_FLAG, pod_templates
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.pipeline.stamp import hardened_version
@@ -76,7 +79,7 @@ def test_every_overlay_validates_and_the_validators_bite(rendered):
     overlay, docs = rendered
     schemas = crd_schemas()
     kinds = {d["kind"] for d in docs}
-    assert {"LeaderWorkerSet" if overlay == "lws" else "RoleBasedGroup"} <= kinds
+    assert {"RoleBasedGroup" if overlay == "rbg" else "LeaderWorkerSet"} <= kinds
     assert "PodTemplate" not in kinds, "the PodTemplates are copied into the workloads, not applied"
     for doc in docs:
         validate(doc, schemas)
@@ -103,7 +106,7 @@ def test_every_value_comes_from_the_parameter_file(rendered):
         for container in template["spec"]["containers"]:
             assert container["image"] in (params["IMAGE"], params["GATEWAY_IMAGE"]), (component, container["image"])
             refs = set(re.findall(r"\$\((\w+)\)", " ".join(container.get("command", []) + container.get("args", []))))
-            given = {e["name"] for e in container.get("env", [])}
+            given = {e["name"] for e in container.get("env", [])} | set(LWS_ENV)  # LWS sets these in every pod
             if any(e["configMapRef"]["name"] == config["metadata"]["name"] for e in container.get("envFrom", [])):
                 given |= set(params)
             assert refs <= given, f"{component}/{container['name']} reads {refs - given}, which nothing sets"
@@ -115,6 +118,7 @@ def test_every_value_comes_from_the_parameter_file(rendered):
         assert any(v["mountPath"] == "/dev/shm" for v in server["volumeMounts"])
     gate = next(c for c in templates["gateway"]["spec"]["containers"] if c["name"] == "preflight-gate")
     assert gate["readinessProbe"]["exec"]["command"][:2] == ["sglang-hardened", "preflight"]
+    assert "--gateway" in gate["readinessProbe"]["exec"]["command"], "the gate judges every server in smg's pool"
 
 
 def _selected(selector: dict, labels: dict) -> bool:
@@ -134,6 +138,10 @@ def _admits(policies: list[dict], pod: dict, peer: dict, port: int, protocol: st
         return True
 
     def peer_matches(selector: dict) -> bool:
+        if "ipBlock" in selector:  # an address outside the pod network (the API server, the internet)
+            block = selector["ipBlock"]
+            return "ip" in peer and ipaddress.ip_address(peer["ip"]) in ipaddress.ip_network(block["cidr"]) \
+                and not any(ipaddress.ip_address(peer["ip"]) in ipaddress.ip_network(c) for c in block.get("except", []))
         in_namespace = (_selected(selector["namespaceSelector"], peer["namespace_labels"])
                         if "namespaceSelector" in selector else peer["namespace"] == "recipe")
         return in_namespace and _selected(selector.get("podSelector", {}), peer["labels"])
@@ -161,6 +169,7 @@ def pod(labels: dict, namespace: str = "recipe") -> dict:
 
 
 BOOTSTRAP, HTTP, TRANSFER = 8998, 30000, 17000  # TRANSFER: any port a transfer engine picks at start
+API_SERVER = re.search(r"^KUBERNETES_API_CIDR=(\S+)/32$", PARAMS.read_text(), re.M).group(1)  # the shipped address
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -177,7 +186,8 @@ def network(request) -> tuple[list[dict], dict[str, dict]]:
         "prometheus": pod({"app.kubernetes.io/name": "prometheus"}, "monitoring"),
         "monitoring's other pod": pod({"app": "grafana"}, "monitoring"),
         "kube-dns": pod({"k8s-app": "kube-dns"}, "kube-system"),
-        "the internet": {"labels": {}, "namespace": None, "namespace_labels": {}},
+        "the internet": {"labels": {}, "namespace": None, "namespace_labels": {}, "ip": "203.0.113.5"},
+        "kube-apiserver": {"labels": {}, "namespace": None, "namespace_labels": {}, "ip": API_SERVER},
     }
     return [d for d in docs if d["kind"] == "NetworkPolicy"], pods
 
@@ -192,6 +202,7 @@ OPEN = [
     ("gateway", "prefill", HTTP), ("gateway", "decode", HTTP),
     ("prometheus", "prefill", HTTP), ("prometheus", "decode", HTTP), ("prometheus", "gateway", 29000),
     ("tenant", "gateway", 8000), ("tenant elsewhere", "gateway", 8000), ("canary", "gateway", 8000),
+    ("gateway", "kube-apiserver", 443), ("gateway", "kube-apiserver", 6443),  # smg's service discovery
 ]
 SHUT = [
     ("gateway", "prefill", BOOTSTRAP), ("gateway", "prefill", TRANSFER), ("gateway", "decode", TRANSFER),
@@ -204,6 +215,9 @@ SHUT = [
       for target, port in (("prefill", BOOTSTRAP), ("prefill", HTTP), ("prefill", TRANSFER), ("decode", TRANSFER))],
     *[(component, "the internet", 443) for component in ("prefill", "decode", "gateway", "canary")],
     *[(component, "kube-dns", 8080) for component in ("prefill", "decode", "gateway", "canary")],
+    *[(component, "kube-apiserver", 443) for component in ("prefill", "decode", "canary")],
+    ("gateway", "kube-apiserver", 80), ("gateway", "the internet", 6443),
+    *[("gateway", target, port) for target in ("prefill", "decode") for port in (443, 6443)],
 ]
 
 
@@ -255,7 +269,14 @@ def pod_security(spec: dict) -> dict[str, list[str]]:
     return {"baseline": baseline, "restricted": baseline + restricted}
 
 
-def test_every_pod_meets_pod_security_restricted_and_holds_no_service_account_token(rendered):
+def _token_holders(spec: dict) -> list[str]:
+    """The containers of a pod spec that mount a projected service-account token."""
+    tokens = {v["name"] for v in spec.get("volumes", [])
+              if any("serviceAccountToken" in s for s in v.get("projected", {}).get("sources", []))}
+    return [c["name"] for c in spec["containers"] if any(m["name"] in tokens for m in c.get("volumeMounts", []))]
+
+
+def test_every_pod_meets_pod_security_restricted_and_only_smg_holds_a_token_that_reads_pods(rendered):
     _, docs = rendered
     templates = pod_templates(docs)
     assert set(templates) == {"prefill", "decode", "gateway", "canary"}
@@ -263,6 +284,14 @@ def test_every_pod_meets_pod_security_restricted_and_holds_no_service_account_to
         spec = template["spec"]
         assert pod_security(spec)["restricted"] == [], (component, pod_security(spec))
         assert spec["automountServiceAccountToken"] is False, f"{component} mounts a service-account token"
+        assert _token_holders(spec) == (["gateway"] if component == "gateway" else []), component
+    # smg's token: its own ServiceAccount, a Role in this namespace that reads pods and nothing else
+    account = templates["gateway"]["spec"]["serviceAccountName"]
+    [binding] = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert binding["kind"] == "RoleBinding" and binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    [role] = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
+    assert (role["kind"], role["metadata"]["name"]) == ("Role", binding["roleRef"]["name"])
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     smg = next(c for c in templates["gateway"]["spec"]["containers"] if c["name"] == "gateway")
     assert smg["securityContext"]["runAsUser"] > 0  # upstream's smg image names its user: runAsNonRoot needs a number
     # the checks bite: the servers' context before #44 is refused at baseline already
@@ -271,10 +300,11 @@ def test_every_pod_meets_pod_security_restricted_and_holds_no_service_account_to
     assert pod_security(before)["baseline"] == ["server: adds ['IPC_LOCK']"]
 
 
-def test_the_gates_probe_never_asks_prefills_bootstrap_port(http_stand_in):
-    """The network policy keeps the gateway pod off prefill's bootstrap port: the gate's own
-    probe (as rendered) judges the servers without it, where before it waited out its timeout
-    on that port for a limit it only shows."""
+def test_the_gate_judges_every_server_in_smgs_pool_and_never_asks_prefills_bootstrap_port(http_stand_in):
+    """The gate's own probe (as rendered) reads smg's pool (GET /workers) and judges each server
+    in it, two per role here, where a Service would have shown it one pod at random; the network
+    policy keeps the gateway pod off prefill's bootstrap port, so the probe never asks it. (smg
+    is a loopback stand-in here; tests/e2e/test_kubernetes_recipe.py runs the real one.)"""
     asked: list[str] = []
     bootstrap = http_stand_in(lambda path: (asked.append(path), (200, b'{"max_req_input_len": 1018}'))[1])
     info = {"version": "0.5.23+hardened.1", "max_total_num_tokens": 4096, "context_length": 1024,
@@ -282,14 +312,20 @@ def test_the_gates_probe_never_asks_prefills_bootstrap_port(http_stand_in):
             "disaggregation_transfer_backend": "mooncake",
             "disaggregation_bootstrap_port": int(bootstrap.split(":")[1]),
             "hardening": {"hardened": True, "base": "0.5.23", "deferred_decode_kv_release": True}}
-    server = http_stand_in(lambda path: (200, json.dumps(info).encode()))
+    servers = {role: [f"http://{http_stand_in(lambda path: (200, json.dumps(info).encode()))}" for _ in range(2)]
+               for role in ("prefill", "decode")}
+    pool = {"workers": [{"url": url, "worker_type": role} for role, urls in servers.items() for url in urls]}
+    smg = http_stand_in(lambda path: (200, json.dumps(pool).encode()) if path == "/workers" else (404, b""))
     [gate] = [c for c in pod_templates(render("lws"))["gateway"]["spec"]["containers"] if c["name"] == "preflight-gate"]
-    probe = [re.sub(r"http://sglang-hardened-(prefill|decode):30000", f"http://{server}", arg)
-             for arg in gate["readinessProbe"]["exec"]["command"]]
-    assert probe[:2] == ["sglang-hardened", "preflight"]
-    result = CliRunner().invoke(main, probe[1:])
+    probe = [arg.replace("http://127.0.0.1:8000", f"http://{smg}") for arg in gate["readinessProbe"]["exec"]["command"]]
+    assert probe[:2] == ["sglang-hardened", "preflight"] and f"http://{smg}" in probe
+    result = CliRunner().invoke(main, probe[1:], env={"GATEWAY_ADMIN_KEY": "k"})
     assert result.exit_code == 0, result.output
+    assert all(url in result.output for urls in servers.values() for url in urls), result.output
     assert asked == [], f"the gate asked prefill's bootstrap port for {asked}"
+    pool["workers"] = [w for w in pool["workers"] if w["worker_type"] == "prefill"]  # smg found no decode (yet)
+    empty = CliRunner().invoke(main, probe[1:], env={"GATEWAY_ADMIN_KEY": "k"})
+    assert empty.exit_code == 1 and "routes to no decode server" in empty.output, empty.output
 
 
 def recipe_copy(tmp_path: Path, **changes: str) -> Path:
@@ -316,9 +352,13 @@ def test_deploy_check_passes_the_shipped_parameters_which_name_the_current_build
     result = run_check(tmp_path)
     assert result.exit_code == 0, result.output
     assert "deploy check: ok" in result.output
-    # both overlays judged, and what the operator must create before applying them
-    needs = "sglang-hardened-secrets/bootstrap-token, sglang-hardened-secrets/gateway-admin-key"
-    assert [line.split()[1:] for line in result.output.splitlines() if needs in line] == [needs.split()] * 2
+    # every overlay judged: its servers, and what the operator must create before applying it
+    needs = ("Secret sglang-hardened-secrets/bootstrap-token, Secret sglang-hardened-secrets/gateway-admin-key, "
+             "PVC sglang-hardened-model")
+    rows = {line.split()[0]: " ".join(line.split()[1:]) for line in result.output.splitlines() if needs in line}
+    assert rows == {os.path.relpath(tmp_path / "kubernetes" / overlay): f"{servers} {needs}"
+                    for overlay, servers in (("lws", "prefill 2x1, decode 2x1"), ("rbg", "prefill 2x1, decode 2x1"),
+                                             ("lws-multinode", "prefill 2x2, decode 2x2"))}, result.output
 
 
 @pytest.mark.parametrize(("changes", "finding"), [
