@@ -206,6 +206,25 @@ def deploy() -> None:
     """
 
 
+@deploy.command("drain")
+@click.option("--url", default="http://127.0.0.1:30000", show_default=True, help="The server to drain.")
+@click.option("--settle", type=float, default=5.0, show_default=True,
+              help="Seconds for the gateway to see the pod marked for deletion and stop sending to it.")
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="Give up (exit 1) past this many seconds; keep it under the pod's grace period.")
+def deploy_drain(url: str, settle: float, timeout: float) -> None:
+    """Wait until a server holds no request and no KV page: the recipe's preStop hook, so a
+    rollout or a node drain loses no request in flight.
+
+    \b
+    Example:
+      sglang-hardened deploy drain --url http://127.0.0.1:30000 --timeout 600
+    """
+    from .drain import drain
+
+    click.echo(f"deploy drain: {url} idle after {drain(url, settle, timeout):.0f} s")
+
+
 @deploy.command("check")
 @click.argument("params_file", type=click.Path(path_type=Path), default="deploy/kubernetes/params/params.env")
 @click.option("--overlay", "overlays", multiple=True, type=click.Path(path_type=Path, file_okay=False),

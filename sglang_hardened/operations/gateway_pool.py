@@ -19,11 +19,12 @@ KEY_ENV = "GATEWAY_ADMIN_KEY"
 ROLES = ("prefill", "decode")
 
 
-def pool(gateway: str, timeout: float) -> dict[str, list[str]]:
+def pool(gateway: str, timeout: float, key: str | None = None) -> dict[str, list[str]]:
     """Each role's server URLs in smg's pool at `gateway`, sorted; refused when smg cannot be read
-    or routes to no server of a role (nothing would serve, and nothing is judged)."""
+    or routes to no server of a role (nothing would serve, and nothing is judged). The admin key
+    is `key`, else KEY_ENV's value."""
     url = gateway.rstrip("/") + "/workers"
-    key = os.environ.get(KEY_ENV, "")
+    key = os.environ.get(KEY_ENV, "") if key is None else key
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:

@@ -1,11 +1,18 @@
-"""The Kubernetes recipe's own commands start, serve, gate and canary a PD deployment.
+"""The Kubernetes recipe's own commands run two prefills and two decodes behind smg, which finds
+them itself; the gate judges each; a rolling restart through it loses and leaks nothing.
 
-deploy/kubernetes/lws is rendered with CPU-sized parameters and each container's command,
-arguments and environment run as the kubelet would start them (sandbox/recipe.py). Stand-ins,
-and only these: each Service is 127.0.0.1 with a free port, the servers get the sandbox's CPU
-flags, the params name the sandbox's model and Mooncake over TCP (no RDMA NIC here).
-Each Secret the pods read holds a random value, and smg's worker routes are shown to take only its key.
-Cost: two server starts, the gateway, one canary run and one refused prefill start.
+deploy/kubernetes/lws is rendered with CPU-sized parameters and each pod its workloads ask for
+(two per role, as shipped) is started as the kubelet would start it (sandbox/recipe.py), each at
+an address of its own in 127.0.0.0/8 on the ports the manifests name. Stand-ins, and only these:
+the Kubernetes API server is a stand-in for the control plane (sandbox/kube_api.py: the pod
+list and watch smg's service discovery calls, held to the recipe's Role; no kube-apiserver ships
+as a Debian or PyPI package), a pod's IP is its loopback address, the servers get the sandbox's
+CPU flags, the params name the sandbox's model and Mooncake over TCP (no RDMA NIC here), and
+each Secret the pods read holds a random value.
+Tier: full. Cost: one cluster start (four servers and smg, about 150 s on 2 cores), one canary
+run, and six server starts after it: four for the rolling restart (each waits out its drain),
+one refused by H7, one with another page size (about 11 minutes in all, 2026-12-06,
+`scripts/test tests/e2e/test_kubernetes_recipe.py`, the environment already built).
 """
 
 from __future__ import annotations
@@ -13,18 +20,20 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 import time
 
 import pytest
 from click.testing import CliRunner
 
 from sglang_hardened.cli import main
+from sglang_hardened.operations.oracle import generate
 from sglang_hardened.sandbox import recipe
 from sglang_hardened.sandbox.cluster import healthy
 from sglang_hardened.sandbox.model import ensure_model
 from tests.harness import CLUSTER_START, SERVER_RESTART, phase
 
-from .conftest import PORTS_USED, sandbox_env
+from .conftest import sandbox_env
 from .test_smg_control_plane import REFUSED, admin_key, call
 
 pytestmark = pytest.mark.e2e
@@ -33,8 +42,6 @@ BASE = "0.5.23"
 # A CPU-sized deployment: the pools hold the context on both roles, as deploy check wants.
 CPU_PARAMS = {"CONTEXT_LENGTH": "1024", "PREFILL_MAX_TOTAL_TOKENS": "2048", "DECODE_MAX_TOTAL_TOKENS": "4096",
               "PAGE_SIZE": "16", "TRANSFER_BACKEND": "mooncake_tcp"}
-
-
 H7_REFUSAL = "sglang-hardened H7: this prefill server's KV pool holds"
 
 
@@ -46,52 +53,141 @@ def params_text(**values: str) -> str:
     return text
 
 
-@pytest.fixture
-def deployment(request, tmp_path):
+@pytest.fixture(scope="module")
+def deployment():
     env = sandbox_env(BASE, hardened=True)
     model = str(ensure_model(env, "tiny"))
-    with phase(f"{CLUSTER_START} {BASE} recipe"):
+    with phase(f"{CLUSTER_START} {BASE} recipe 2x2"):
         running = recipe.start(env, recipe.render("lws", params_text(MODEL_PATH=model, **CPU_PARAMS)))
-    request.node.sandbox_clusters = [running.cluster]
-    PORTS_USED.extend([*running.local.values()])
-    yield running, model, tmp_path
-    running.cluster.stop()
+    yield running, model
+    running.stop()
 
 
-def test_the_recipes_commands_serve_pass_the_gate_and_the_canary_and_an_unsafe_pool_fails_the_gate(deployment):
-    running, model, tmp_path = deployment
+@pytest.fixture
+def clusters(request, deployment):
+    request.node.sandbox_clusters = [deployment[0].cluster]  # the harness's log tails on a failure
+    return deployment
+
+
+def test_smg_finds_every_server_and_the_gate_judges_each(clusters):
+    running, _ = clusters
+    servers = {role: [running.url(p) for p in running.server_pods(role)] for role in ("prefill", "decode")}
+    assert {role: len(urls) for role, urls in servers.items()} == {"prefill": 2, "decode": 2}
+    assert running.pool() == {role: sorted(urls) for role, urls in servers.items()}  # found by smg, not given
+    # smg asked the API only what the recipe's Role allows: list and watch pods in its namespace
+    assert running.api.refused == [], running.api.refused
+    assert {a.split()[0] for a in running.api.asked} == {"list", "watch"}
+    assert all(f"/namespaces/{recipe.NAMESPACE}/pods" in a for a in running.api.asked)
+
     assert running.cluster.generate("the recipe serves").status == 200  # through smg, as a client would
-    # smg's worker routes take the Secret's key only, as the recipe passes it
-    assert call(running.cluster.lb_url, "GET", "/workers")[0] in REFUSED
+    assert call(running.cluster.lb_url, "GET", "/workers")[0] in REFUSED  # the pool's routes take the key only
     assert call(running.cluster.lb_url, "GET", "/workers", admin_key(running.cluster, "lb"))[0] == 200
 
-    gate = running.containers["gateway/preflight-gate"]
+    gate = running.container("gateway/preflight-gate", "")
     passed = running.run(gate, gate.probe, timeout_s=120)
     assert passed.returncode == 0, passed.stdout + passed.stderr
     assert "preflight: ok" in passed.stdout
+    assert all(url in passed.stdout for urls in servers.values() for url in urls), passed.stdout  # each judged
 
-    canary = running.containers["canary/canary"]
+    canary = running.container("canary/canary", "")
     probed = running.run(canary, canary.argv, timeout_s=900)
     assert probed.returncode == 0, probed.stdout[-3000:] + probed.stderr[-3000:]
     report = json.loads(probed.stdout)  # --json alone: stdout is the report, the table went to stderr
     assert report["ok"] and any(c["result"] == "ok" for c in report["checks"]), report
 
-    # The same recipe with prefill's pool under the context: deploy check refuses the file before
-    # anything is applied; applied anyway, H7 refuses to start prefill and the gate fails.
+
+class Load:
+    """Requests through smg, one after another on each of two threads, until stopped: each
+    answer's status and text recorded (bounded: at most `limit` requests in all)."""
+
+    def __init__(self, url: str, limit: int = 2000) -> None:
+        self.url, self.limit, self.replies, self.stopped = url, limit, [], threading.Event()
+        self.threads = [threading.Thread(target=self._send, args=(n,), daemon=True) for n in range(2)]
+        for thread in self.threads:
+            thread.start()
+
+    def _send(self, n: int) -> None:
+        i = 0
+        while not self.stopped.is_set() and len(self.replies) < self.limit:
+            try:
+                reply = generate(self.url, f"rolling request {n}-{i}: count to three", max_new_tokens=8, timeout=120)
+                self.replies.append((time.monotonic(), reply.status if reply.output_ids else 0, reply.body))
+            except Exception as exc:  # noqa: BLE001 - every failure is a lost request, recorded as one
+                self.replies.append((time.monotonic(), 0, repr(exc)))
+            i += 1
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for thread in self.threads:
+            thread.join(timeout=180)
+
+
+def test_a_rolling_restart_through_smg_loses_and_leaks_no_request(clusters):
+    """Each server pod in turn is deleted as a rollout deletes it (marked: smg drops it; its
+    preStop drain waits for what it holds; SIGTERM) and its successor joins smg's pool once
+    Ready, while requests keep coming: every one is answered, during every step, and no server
+    holds a request or a KV page afterwards."""
+    running, _ = clusters
+    load = Load(running.cluster.lb_url)
+    steps = []
+    try:
+        for role in ("prefill", "decode"):
+            for pod in running.server_pods(role):
+                t0 = time.monotonic()
+                with phase(f"{SERVER_RESTART} {pod.proc} {BASE} recipe rolling"):
+                    new = running.replace(pod)
+                    running.wait_pool()
+                steps.append((pod.proc, t0, time.monotonic()))
+                assert new.ip != pod.ip and running.url(new) in running.pool()[role]
+        time.sleep(2)
+    finally:
+        load.stop()
+    failed = [(status, text[:300]) for _, status, text in load.replies if status != 200 or not text]
+    assert not failed, f"{len(failed)} of {len(load.replies)} requests failed during the rollout: {failed[:5]}"
+    for proc, t0, t1 in steps:  # served through every step, not only between them
+        assert sum(t0 <= at <= t1 for at, _, _ in load.replies) >= 2, (proc, steps, len(load.replies))
+    deadline = time.monotonic() + 60
+    while any(running.held().values()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not any(running.held().values()), running.held()  # no request, no KV page left behind
+    assert running.api.refused == []
+
+
+def test_deploy_check_and_h7_refuse_an_unsafe_pool_and_the_gate_catches_a_server_unlike_the_rest(clusters, tmp_path):
+    """prefill's pool under the context: deploy check refuses the file before anything is applied;
+    applied anyway, H7 refuses to start that pod, which never becomes Ready, and smg never routes to
+    it. A prefill with another page size starts and joins smg's pool: the gate, judging each server
+    smg routes to, fails on it (a Service would have shown it one prefill of two at random)."""
+    running, model = clusters
     unsafe_text = params_text(MODEL_PATH=model, **{**CPU_PARAMS, "PREFILL_MAX_TOTAL_TOKENS": "512"})
     shutil.copytree(recipe.RECIPE, tmp_path / "kubernetes")  # the operator's copy of the recipe
     (tmp_path / "kubernetes" / "params" / "params.env").write_text(unsafe_text)
     checked = CliRunner().invoke(main, ["deploy", "check", str(tmp_path / "kubernetes" / "params" / "params.env")])
     assert checked.exit_code == 1 and "fewer than the context length 1024" in " ".join(checked.output.split())
-    unsafe_prefill = recipe.containers(recipe.render("lws", unsafe_text))["prefill/server"]
-    with phase(f"{SERVER_RESTART} prefill {BASE} recipe"):
-        running.start_server(unsafe_prefill)
+
+    [first, second] = running.server_pods("prefill")
+    running.delete(second)
+    with phase(f"{SERVER_RESTART} {second.proc} {BASE} recipe unsafe pool"):
+        refused = running.start_server("prefill", second.proc, recipe.render("lws", unsafe_text))
         deadline = time.monotonic() + 180
-        while H7_REFUSAL not in running.cluster.log_tail("prefill", 80) and time.monotonic() < deadline:
-            assert not healthy(running.cluster.prefill_url), "prefill started with a pool under its context"
+        while H7_REFUSAL not in running.cluster.log_tail(refused.proc, 80) and time.monotonic() < deadline:
+            assert not healthy(running.url(refused)), "prefill started with a pool under its context"
             time.sleep(1)
-    assert "fewer than its context length 1024" in running.cluster.log_tail("prefill", 80)
-    assert not healthy(running.cluster.prefill_url)
+    assert "fewer than its context length 1024" in running.cluster.log_tail(refused.proc, 80)
+    assert running.pool()["prefill"] == [running.url(first)]  # never Ready: never routed to
+    gate = running.container("gateway/preflight-gate", "")
+    assert running.run(gate, gate.probe, timeout_s=120).returncode == 0  # what is routed to is safe
+
+    running.delete(refused)
+    with phase(f"{SERVER_RESTART} {second.proc} {BASE} recipe other page size"):
+        other = running.start_server("prefill", second.proc, recipe.render("lws", params_text(
+            MODEL_PATH=model, **{**CPU_PARAMS, "PAGE_SIZE": "32"})))
+        deadline = time.monotonic() + 300
+        while not healthy(running.url(other)) and time.monotonic() < deadline:
+            time.sleep(1)
+        running.admit(other)
+        running.wait_pool()
     failed = running.run(gate, gate.probe, timeout_s=120)
     assert failed.returncode == 1, failed.stdout
-    assert "not reachable" in failed.stdout and "preflight: UNSAFE" in failed.stdout
+    assert "preflight: UNSAFE" in failed.stdout and running.url(other) in failed.stdout
+    assert "page_size" in failed.stdout or "page size" in failed.stdout, failed.stdout
