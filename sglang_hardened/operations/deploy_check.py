@@ -17,7 +17,8 @@ from functools import cache
 from pathlib import Path
 
 from ..common.errors import HardenedError
-from ..runtime.policy import load_policy
+from ..common.knobs import KNOBS, Knob
+from ..runtime.policy import knob_value
 from .preflight import Finding, Node, judge
 
 # Every key the file must hold, and what it is; any other key but the policy's knobs is a typo, refused.
@@ -41,10 +42,11 @@ HARDENED_TAG = re.compile(r":(?P<base>\d+\.\d+\.\d+)-hardened\.\d+(@sha256:[0-9a
 
 
 @cache
-def policy_knobs() -> frozenset[str]:
-    """The hardening policy's environment knobs (runtime/policy.yaml): an operator may set any of
-    them here, and envFrom hands them to both roles' servers, where `launch` reads them."""
-    return frozenset(k.env for k in load_policy() if k.env)
+def policy_knobs() -> dict[str, Knob]:
+    """The hardening's knobs a server reads (common/knobs.py, the one registry): an operator may set
+    any of them here, and envFrom hands them to both roles' servers. The bootstrap token is not
+    one: a secret comes from the Secret, never a ConfigMap."""
+    return {k.name: k for k in KNOBS if k.role == "server" and k.type != "secret"}
 
 
 @dataclass(frozen=True)
@@ -69,15 +71,20 @@ def read_params(path: Path) -> Params:
         if not line.strip() or line.startswith("#"):
             continue
         key, sep, value = line.partition("=")
-        if not sep or key not in PARAMS.keys() | policy_knobs():  # the value is not shown: it may be a secret
+        if not sep or key not in PARAMS.keys() | policy_knobs().keys():  # the value is not shown: it may be a secret
             raise HardenedError(f"{path}:{number}: {key!r} is not one of the recipe's parameters ({', '.join(PARAMS)}) "
-                                "nor a knob of the hardening policy (`sglang-hardened policy show`); a secret goes in the "
+                                "nor a server knob of the hardening (`sglang-hardened policy knobs`); a secret goes in the "
                                 "recipe's Secret, not here (docs/kubernetes.md)")
         if key in values:
             raise HardenedError(f"{path}:{number}: {key} is set twice")
         if UNSAFE_VALUE.search(value):
             raise HardenedError(f"{path}:{number}: {key}={value!r}: the ConfigMap would hold it as written (spaces, "
                                 "quotes or a # comment included); write the bare value")
+        if key in policy_knobs():
+            try:
+                knob_value(policy_knobs()[key], {key: value})
+            except ValueError as exc:
+                raise HardenedError(f"{path}:{number}: {exc}") from None
         values[key], where[key] = value, f"{path}:{number}"
     missing = [k for k in PARAMS if not values.get(k)]
     if missing:
@@ -121,6 +128,11 @@ def check(params: Params) -> list[Finding]:
     if params.values["TRANSFER_BACKEND"] not in TRANSFER_BACKENDS:
         out.append(Finding("unsafe", "TRANSFER_BACKEND", f"{params.values['TRANSFER_BACKEND']!r} is not a backend "
                            "the hardening covers", f"use one of {', '.join(TRANSFER_BACKENDS)}"))
+    for key in params.values.keys() & policy_knobs().keys():
+        knob = policy_knobs()[key]
+        if knob.weakens and knob_value(knob, params.values) != knob_value(knob, {}):
+            out.append(Finding("unsafe", key, f"{key}={params.values[key]} gives up part of {knob.id}: {knob.doc}",
+                               "leave it unset in the recipe (it is for measuring, or a deliberate exception)"))
     if ipaddress.ip_network(params.values["KUBERNETES_API_CIDR"]).prefixlen == 0:
         out.append(Finding("unsafe", "KUBERNETES_API_CIDR", "the gateway may reach every address on the API "
                            "server's ports, the internet's included", "name the API server's addresses"))

@@ -15,9 +15,9 @@ import yaml
 from click.testing import CliRunner
 
 from sglang_hardened.cli import main
+from sglang_hardened.common import knobs
 from sglang_hardened.operations.deploy_shape import LWS_LEADER_LABEL
 from sglang_hardened.operations.deploy_wiring import render as kustomize
-from sglang_hardened.runtime.policy import load_policy
 from sglang_hardened.sandbox.recipe import render
 from tests.integration.test_kubernetes_recipe import crd_schemas, recipe_copy, validate
 
@@ -178,18 +178,29 @@ def test_every_image_is_pinned(tmp_path, image, severity, finding):
         assert "warn" not in said, said
 
 
-def test_the_policys_own_knobs_are_accepted_in_the_parameter_file(tmp_path):
-    """params.env reaches both servers through envFrom, where `launch` reads the policy's knobs:
-    an operator sets H6's link rate there. The names come from runtime/policy.yaml, nowhere else."""
-    knobs = sorted({k.env for k in load_policy() if k.env})
-    assert "SGLANG_HARDENED_TRANSFER_LINK_RATE" in knobs
+def test_the_hardenings_server_knobs_are_taken_in_the_parameter_file_and_a_weakening_one_refused(tmp_path):
+    """params.env reaches both servers through envFrom, where the hardening reads its knobs: an
+    operator sets H6's link rate there. The names and types are the registry's (common/knobs.py);
+    a value its type refuses, the bootstrap token (a secret) and a knob that gives up a guarantee
+    are refused."""
     tree = recipe_copy(tmp_path)
     params = tree / "params" / "params.env"
-    params.write_text(params.read_text() + "".join(f"{knob}=1\n" for knob in knobs))
+    shipped = params.read_text()
+    rate = f"{knobs.TRANSFER_LINK_RATE.name}=2.5e10\n{knobs.PAGE_TAGS_FAIL_CLOSED.name}=1\n"
+    params.write_text(shipped + rate)
     status, said = check(tree)
     assert status == 0, said
     config = next(d for d in render("lws", params.read_text()) if d["kind"] == "ConfigMap")
-    assert {k: config["data"][k] for k in knobs} == dict.fromkeys(knobs, "1")
+    assert config["data"][knobs.TRANSFER_LINK_RATE.name] == "2.5e10"
+    params.write_text(shipped + f"{knobs.TRANSFER_LINK_RATE.name}=fast\n")
+    status, said = check(tree)
+    assert status == 1 and f"{knobs.TRANSFER_LINK_RATE.name}='fast': give a number" in said, said
+    params.write_text(shipped + f"{knobs.ALLOW_UNSAFE_KV_LIMITS.name}=1\n")
+    status, said = check(tree)
+    assert status == 1 and f"{knobs.ALLOW_UNSAFE_KV_LIMITS.name}=1 gives up part of H7" in said, said
+    params.write_text(shipped + f"{knobs.BOOTSTRAP_TOKEN.name}=s3cret\n")
+    status, said = check(tree)
+    assert status == 1 and "is not one of the recipe's parameters" in said and "s3cret" not in said, said
 
 
 @pytest.mark.parametrize(("cidr", "finding"), [
