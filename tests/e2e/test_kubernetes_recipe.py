@@ -9,10 +9,10 @@ list and watch smg's service discovery calls, held to the recipe's Role; no kube
 as a Debian or PyPI package), a pod's IP is its loopback address, the servers get the sandbox's
 CPU flags, the params name the sandbox's model and Mooncake over TCP (no RDMA NIC here), and
 each Secret the pods read holds a random value.
-Tier: full. Cost: one cluster start (four servers and smg, about 150 s on 2 cores), one canary
-run, and six server starts after it: four for the rolling restart (each waits out its drain),
-one refused by H7, one with another page size (about 11 minutes in all, 2026-12-06,
-`scripts/test tests/e2e/test_kubernetes_recipe.py`, the environment already built).
+Tier: full. Cost: one cluster start (four servers and smg: 139 s), one canary run, and six
+server starts after it (747 s): four for the rolling restart (each waits out its drain), one
+refused by H7, one with another page size; 1011 s in all (2 cores shared with other sessions,
+2026-12-06, `scripts/test tests/e2e/test_kubernetes_recipe.py`, the environment already built).
 """
 
 from __future__ import annotations
