@@ -47,11 +47,12 @@ from cli_args import ints
 from gpu_page_tags import measure
 from growth_plot import plot_growth
 
+from sglang_hardened.common.knobs import PAGE_TAGS_COST_EVERY
 from sglang_hardened.common.table import format_table
 from sglang_hardened.operations.oracle import generate
 from sglang_hardened.runtime import coverage
 from sglang_hardened.runtime.page_tags import ROW_PATHS
-from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV, read_cost_lines
+from sglang_hardened.runtime.page_tags_cost import read_cost_lines
 from sglang_hardened.sandbox.cluster import ClusterParams, start
 from sglang_hardened.sandbox.env import build_env, default_overlay, wheels_for
 from sglang_hardened.sandbox.model import ensure_model
@@ -125,7 +126,7 @@ def cluster_step(base: str, prompt_tokens: int, output_tokens: int, repeat: int)
     difference in latency is `output_tokens` decode steps and nothing else.
     """
     env = build_env(base, wheels_for(base, hardened=True), default_overlay())
-    cluster = start(env, ClusterParams(base=base, extra_env=(f"{COST_EVERY_ENV}=1",), **SAFE), ensure_model(env))
+    cluster = start(env, ClusterParams(base=base, extra_env=(f"{PAGE_TAGS_COST_EVERY.name}=1",), **SAFE), ensure_model(env))
     try:
         def ask(text: str, tokens: int) -> tuple[float, dict]:
             sampling = {"temperature": 0.0, "max_new_tokens": tokens, "ignore_eos": True}

@@ -46,11 +46,12 @@ from bench_serving_ab import PARAMS, environment, load  # benchmarks/ is on sys.
 from cli_args import serving_options
 from stats import mean_interval, median_interval
 
+from sglang_hardened.common.knobs import SEAM_COST_DIR
 from sglang_hardened.common.paths import patches_dir
 from sglang_hardened.common.table import format_table
 from sglang_hardened.pipeline.seams import runtime_seams
 from sglang_hardened.pipeline.series import load_series
-from sglang_hardened.runtime.seam_cost import SEAMS_FILE, SWITCH_ENV
+from sglang_hardened.runtime.seam_cost import SEAMS_FILE
 from sglang_hardened.sandbox.cluster import Cluster, ClusterParams, start
 from sglang_hardened.sandbox.env import overlay_module
 from sglang_hardened.sandbox.soak.faults import group_pids
@@ -169,7 +170,7 @@ def one_cluster(base: str, arm: str, args, run: int, seams: dict[str, list[str]]
         extra_env: tuple[str, ...] = ()
         if arm == "seams":
             (folder / SEAMS_FILE).write_text(json.dumps(seams))
-            extra_env = (f"{SWITCH_ENV}={folder}",)
+            extra_env = (f"{SEAM_COST_DIR.name}={folder}",)
         elif arm in SYNC_ARMS:
             extra_env = (f"{SYNCS_ENV}={folder}",)
         counted = arm == "seams" or arm in SYNC_ARMS

@@ -50,8 +50,8 @@ from abort_storm import storms
 from cli_args import ints, serving_options
 from stats import median_interval
 
+from sglang_hardened.common.knobs import PAGE_TAGS
 from sglang_hardened.common.table import format_table
-from sglang_hardened.runtime.page_tags_switch import TAGS_ENV
 from sglang_hardened.sandbox.cluster import Cluster, ClusterParams, start
 from sglang_hardened.sandbox.env import SandboxEnv, build_env, default_overlay, wheels_for, with_load_generator
 from sglang_hardened.sandbox.model import ensure_model
@@ -76,7 +76,7 @@ class Arm:
 
 
 ARMS = {"upstream": Arm(False), "upstream-again": Arm(False), "hardened": Arm(True),
-        "hardened-h8-off": Arm(True, (f"{TAGS_ENV}=off",))}
+        "hardened-h8-off": Arm(True, (f"{PAGE_TAGS.name}=off",))}
 
 
 def schedule(arms: list[str], pairs: int, seed: int) -> list[tuple[int, str]]:

@@ -33,7 +33,6 @@ from sglang_hardened.common.table import format_table
 REPO = Path(__file__).resolve().parent.parent
 BUDGET_FILE = Path(__file__).with_name("budget.toml")
 CATALOGUE = REPO / "patches" / "hardening.toml"  # the hardening ids, one table each
-STARTED_ENV = SUITE_STARTED.name  # scripts/test sets it (epoch seconds) for a whole-tier run
 TIERS = ("gate", "full")
 SIDES = ("upstream", "hardened")
 
@@ -81,7 +80,7 @@ SETUP_KINDS = ("wheels", "env", "model")
 CLUSTER_START, SERVER_RESTART = "cluster start", "server restart"
 MODULE_SECONDS: dict[str, float] = {}
 SESSION: list[pytest.Session] = []  # the running session, whose exit status an overrun fails
-SUITE_STARTED = os.environ.pop(STARTED_ENV, None)  # read once: a pytest a test starts is no whole run
+SUITE_STARTED = os.environ.pop(SUITE_STARTED.name, None)  # read once: a pytest a test starts is no whole run
 
 
 @contextmanager

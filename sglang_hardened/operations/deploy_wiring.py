@@ -1,7 +1,7 @@
 """`deploy check` on the rendered recipe: the secrets its defences need are wired from a Secret.
 
 Two defences of the recipe hold only with a secret: prefill's bootstrap server takes
-registrations (H14) and serves H4's outcomes only to a sender of TOKEN_ENV, and smg changes its
+registrations (H14) and serves H4's outcomes only to a sender of BOOTSTRAP_TOKEN.name, and smg changes its
 worker pool (`DELETE /workers/<id>`, `POST /workers`) only for a holder of a control-plane key.
 Neither may come from params.env (a ConfigMap, readable with the namespace's config and kept in
 git) nor be written into a manifest: each must be an `env` entry whose value is a required
@@ -16,8 +16,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..common.knobs import BOOTSTRAP_TOKEN
 from ..common.errors import HardenedError
-from ..runtime.bootstrap_auth import TOKEN_ENV
 from .preflight import Finding
 
 OVERLAYS = ("lws", "lws-multinode", "rbg")  # the recipe's own, next to its params/ folder
@@ -116,15 +116,15 @@ def _bootstrap_token(templates: dict[str, dict], where: str) -> list[Finding]:
             out.append(Finding("unsafe", f"{where} {role}", "no server container in the rendered overlay",
                                "render the recipe's own overlay, or one built on ../base"))
             continue
-        ref, problem = _secret_ref(server, TOKEN_ENV)
+        ref, problem = _secret_ref(server, BOOTSTRAP_TOKEN.name)
         if ref is None:
-            out.append(Finding("unsafe", f"{where} {role}", f"{TOKEN_ENV} is {problem}: anyone who reaches prefill's "
+            out.append(Finding("unsafe", f"{where} {role}", f"{BOOTSTRAP_TOKEN.name} is {problem}: anyone who reaches prefill's "
                                "bootstrap port can replace a rank's registration and read H4's outcomes",
                                "take it from the Secret with a required secretKeyRef, as base/server-common.yaml does"))
         else:
             refs[role] = (ref["name"], ref["key"])
     if len(set(refs.values())) > 1:
-        out.append(Finding("unsafe", where, f"prefill and decode take {TOKEN_ENV} from different Secret keys "
+        out.append(Finding("unsafe", where, f"prefill and decode take {BOOTSTRAP_TOKEN.name} from different Secret keys "
                            f"({', '.join(f'{r}: {n}/{k}' for r, (n, k) in refs.items())}): prefill refuses "
                            "decode's reads", "give both roles the same Secret key"))
     return out

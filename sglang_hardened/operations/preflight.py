@@ -20,10 +20,9 @@ from urllib.parse import urlparse
 
 from packaging.version import InvalidVersion, Version
 
+from ..common.knobs import BOOTSTRAP_TOKEN, PAGE_TAGS
 from ..common.errors import HardenedError
-from ..runtime.bootstrap_auth import TOKEN_ENV
 from ..runtime.identity import INFO_ROUTES
-from ..runtime.page_tags_switch import TAGS_ENV
 from ..runtime.policy import knobs_for
 from ..runtime.startup import DEFERRED_ENV, LIMITS_ROUTE
 
@@ -158,12 +157,12 @@ def judge(nodes: list[Node]) -> list[Finding]:
         if n.hardening.get("page_tags") is False:
             out.append(Finding("unsafe", where, "H8's page tags are switched off: pages decode reads are not "
                                "checked against their writer (a decode with tags refuses every transfer from a "
-                               "prefill without them)", f"unset {TAGS_ENV} on every node (off is for measuring "
+                               "prefill without them)", f"unset {PAGE_TAGS.name} on every node (off is for measuring "
                                "H8's cost)"))
         if n.hardening.get("bootstrap_token") is False:
             out.append(Finding("warn", where, "no bootstrap token: anyone who reaches prefill's bootstrap port can "
                                "replace a rank's registration (H14), and read H4's outcomes",
-                               f"set {TOKEN_ENV} to the same secret on both roles (the recipe's Secret)"))
+                               f"set {BOOTSTRAP_TOKEN.name} to the same secret on both roles (the recipe's Secret)"))
         if _checksum_recommended(n) and n.get(CHECKSUM_FIELD) is False:
             out.append(Finding("warn", where, "KV checksums are off",
                                f"start both roles with {CHECKSUM_FLAG} (or `sglang-hardened launch`)"))

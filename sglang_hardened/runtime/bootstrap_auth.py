@@ -7,7 +7,7 @@ decode that bootstraps afterwards sends its requests, and takes its KV, from whe
 sender pointed (a dead port is a total outage; a server of the sender's own reads other
 tenants' prompts). `POST /register_dp_rank` likewise steers a room to any DP group. Here:
 
-- with TOKEN_ENV set on prefill (the same secret decode sends to H4's outcome route), both
+- with BOOTSTRAP_TOKEN.name set on prefill (the same secret decode sends to H4's outcome route), both
   writes need TOKEN_HEADER to match; others get 403, logged once per peer address, and the
   table is untouched (`guard`, a middleware the bootstrap server installs at its seam);
 - a rank's registration, once made, is replaced only from the address that made it (409
@@ -28,7 +28,6 @@ import logging
 
 from ..common.knobs import BOOTSTRAP_TOKEN
 
-TOKEN_ENV = BOOTSTRAP_TOKEN.name
 TOKEN_HEADER = "X-SGLang-Hardened-Token"
 WRITES = frozenset({("PUT", "/route"), ("POST", "/register_dp_rank")})
 RANKS_MAX = 16384  # rank keys one bootstrap server remembers (DP x CP x TP x PP of one prefill)
@@ -56,7 +55,7 @@ def token_ok(request_headers) -> bool:
 
 def refused_text(what: str) -> str:
     """The 403 body: names the header and the setting, never the value."""
-    return f"{what} needs the {TOKEN_HEADER} header set to prefill's {TOKEN_ENV}"
+    return f"{what} needs the {TOKEN_HEADER} header set to prefill's {BOOTSTRAP_TOKEN.name}"
 
 
 def rank_key(data: object) -> tuple[tuple[str, int], ...]:

@@ -42,6 +42,7 @@ import urllib.request
 from collections.abc import Container
 from dataclasses import dataclass
 
+from ..common.knobs import BOOTSTRAP_TOKEN
 from . import bootstrap_auth, metrics
 from .coverage import SHORTFALL
 from .peer_json import READ_ERRORS, get_json, is_int
@@ -322,7 +323,7 @@ def _watch(addr: str, watcher: _Watcher) -> None:
                             _not_hardened.popitem(last=False)
                     return
                 metrics.polled("unreadable")
-                _bad_reply(addr, watcher, f"HTTP {exc.code}" + (f": set {bootstrap_auth.TOKEN_ENV} alike on both roles" if exc.code == 403 else ""))
+                _bad_reply(addr, watcher, f"HTTP {exc.code}" + (f": set {BOOTSTRAP_TOKEN.name} alike on both roles" if exc.code == 403 else ""))
                 continue
             except READ_ERRORS as exc:
                 metrics.polled("unreadable")

@@ -40,7 +40,6 @@ from .page_tags_cost import CostMeter
 # Rows a request can never match: rooms are >= 0 and epochs start at 1.
 UNSTAMPED = -1
 TAG_WORDS = 2  # room, epoch
-FAIL_CLOSED_ENV = PAGE_TAGS_FAIL_CLOSED.name
 
 log = logging.getLogger("sglang_hardened")
 
@@ -323,7 +322,7 @@ class DecodePageTags:
         if self.fail_closed and self.closed_reason is None:
             self.closed_reason = message
             log.error("sglang-hardened H8: %s=1: this decode admits no more requests until restarted",
-                      FAIL_CLOSED_ENV)
+                      PAGE_TAGS_FAIL_CLOSED.name)
         return message
 
     def admit(self) -> None:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from ..common.knobs import PAGE_TAGS_COST_EVERY
 from . import metrics
 
-COST_EVERY_ENV = PAGE_TAGS_COST_EVERY.name
 
 log = logging.getLogger("sglang_hardened")
 

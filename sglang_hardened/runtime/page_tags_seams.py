@@ -40,12 +40,13 @@ import struct
 import numpy as np
 import torch
 
+from ..common.knobs import PAGE_TAGS, PAGE_TAGS_FAIL_CLOSED
 from . import metrics
 from .rank_agreement import refused_elsewhere
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST
-from .page_tags import FAIL_CLOSED_ENV, TAG_WORDS, DecodePageTags, PageTagMismatch, SourceTags, TagBuffer
-from .page_tags_switch import TAGS_ENV, tags_on
+from .page_tags import TAG_WORDS, DecodePageTags, PageTagMismatch, SourceTags, TagBuffer
+from .page_tags_switch import tags_on
 from .page_tags_cost import CostMeter
 
 FRAME_MAGIC = b"sglang-hardened-H8:"  # one int64: an epoch (or an address, from a decode of one-slot rows)
@@ -88,14 +89,14 @@ def make_tags(manager) -> TagBuffer | SourceTags | None:
     one page's bytes; on prefill, one row per page per transfer worker), a slot per KV head of
     the rank, on the pool's device, set as `manager.hardened_tags`. None without a
     full-token KV pool (nothing to tag: such transfers are refused on decode), or with H8 switched
-    off (``TAGS_ENV``: a decode without tags checks nothing, a prefill without them stamps
+    off (``PAGE_TAGS.name``: a decode without tags checks nothing, a prefill without them stamps
     nothing, so a decode with tags refuses its transfers)."""
     args = manager.kv_args
     if not tags_on():
         manager.hardened_tags = None
         log.warning("sglang-hardened H8: page tags OFF on this %s (%s=off): pages decode reads are not "
                     "checked against their writer; only for measuring H8's cost",
-                    manager.disaggregation_mode.value, TAGS_ENV)
+                    manager.disaggregation_mode.value, PAGE_TAGS.name)
         return None
     if not args.kv_item_lens:
         return None
@@ -105,7 +106,7 @@ def make_tags(manager) -> TagBuffer | SourceTags | None:
         manager.hardened_tags = DecodePageTags(pages, device, heads=heads)
         buffer = manager.hardened_tags.buffer
         log.info("sglang-hardened H8: decode page tags on, %d pages x %d KV heads on %s; fail closed: %s (%s)",
-                 pages, heads, device, manager.hardened_tags.fail_closed, FAIL_CLOSED_ENV)
+                 pages, heads, device, manager.hardened_tags.fail_closed, PAGE_TAGS_FAIL_CLOSED.name)
     else:
         manager.hardened_tags = buffer = SourceTags(pages, send_lanes(), device,
                                                     CostMeter("prefill", closing_op="stamp", unit="send"), heads=heads)

@@ -12,10 +12,9 @@ from collections.abc import Mapping
 
 from ..common.knobs import PAGE_TAGS
 
-TAGS_ENV = PAGE_TAGS.name
 
 
 def tags_on(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this server tags pages: unless ``TAGS_ENV`` is "off". A value that is neither
+    """Whether this server tags pages: unless ``PAGE_TAGS.name`` is "off". A value that is neither
     "on" nor "off" is an error that names it: a typo must not turn H8 off."""
     return PAGE_TAGS.get(environ)

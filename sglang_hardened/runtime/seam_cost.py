@@ -37,7 +37,6 @@ from typing import Any
 
 from ..common.knobs import SEAM_COST_DIR
 
-SWITCH_ENV = SEAM_COST_DIR.name
 SEAMS_FILE = "seams.json"
 METRICS_SEAM = "metrics._write"  # every metric write goes through it (runtime/metrics.py)
 WRAPPED = "__sglang_hardened_seam__"  # set on a wrapper: the seam it times
@@ -223,7 +222,7 @@ def install(environ: Mapping[str, str] = os.environ) -> Report | None:
     try:
         seams: dict[str, list[str]] = json.loads((Path(folder) / SEAMS_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"{SWITCH_ENV}={folder!r}: no readable {SEAMS_FILE} there ({e})") from None
+        raise ValueError(f"{SEAM_COST_DIR.name}={folder!r}: no readable {SEAMS_FILE} there ({e})") from None
     for seam in [*seams, METRICS_SEAM]:
         module_name, name = seam.split(".")
         module = importlib.import_module(f"{__package__}.{module_name}")

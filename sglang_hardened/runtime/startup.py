@@ -17,14 +17,14 @@ ready" to upstream, which retries and then fails the requests for it.
 H5 holds a failed request's decode pages until prefill's writes drained, on
 top of upstream's deferred decode KV release; turning that off
 (DEFERRED_ENV=0) would turn H5 off with nothing but a log line, so a hardened
-PD server refuses to start with it off unless RELEASE_OVERRIDE_ENV says so.
+PD server refuses to start with it off unless ALLOW_EARLY_RELEASE.name says so.
 
 H4's notes of the requests prefill ends live in the process that ends them,
 and the bootstrap server that serves them to decode runs in the HTTP server's
 main process. With ``--tokenizer-worker-num`` above 1 requests end in worker
 processes, so decode would never hear of them and would hold each one until
 its waiting timeout: such a prefill refuses to start unless
-WORKERS_OVERRIDE_ENV says to go on without H4 (logged).
+ALLOW_TOKENIZER_WORKERS.name says to go on without H4 (logged).
 """
 
 from __future__ import annotations
@@ -41,11 +41,8 @@ from .peer_json import READ_ERRORS, get_json, is_int
 
 # One override for both H7 checks: a pool below the context is what makes the
 # roles' input limits differ, and tests of the deeper layers need both off.
-OVERRIDE_ENV = ALLOW_UNSAFE_KV_LIMITS.name
 PD_MODES = ("prefill", "decode")
 DEFERRED_ENV = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
-RELEASE_OVERRIDE_ENV = ALLOW_EARLY_RELEASE.name
-WORKERS_OVERRIDE_ENV = ALLOW_TOKENIZER_WORKERS.name
 FALSE_VALUES = ("false", "0", "no", "n")  # what upstream's EnvBool reads as off
 LIMITS_ROUTE = "/hardened/limits"
 REGISTRATION_FIELD = "hardened_max_req_input_len"
@@ -94,7 +91,7 @@ def check_release_setting(mode: str) -> None:
         f"sglang-hardened H5: {DEFERRED_ENV}={os.environ[DEFERRED_ENV]} turns deferred decode KV release "
         f"off, and with it the hold of a failed request's decode pages until prefill's writes into them "
         f"drained: decode would give pages to other requests while a write can still land in them. "
-        f"Remedy: unset it. To start anyway, set {RELEASE_OVERRIDE_ENV}=1 (logged)."
+        f"Remedy: unset it. To start anyway, set {ALLOW_EARLY_RELEASE.name}=1 (logged)."
     )
     _refuse_unless_overridden(message, "Starting anyway", ALLOW_EARLY_RELEASE)
 
@@ -109,7 +106,7 @@ def check_launch(server_args) -> None:
         f"sglang-hardened H4: this prefill server has --tokenizer-worker-num {workers}; the requests it "
         f"ends (an oversized prompt, an abort) would end in worker processes, whose notes its bootstrap "
         f"server cannot serve, so decode would hold each one until its waiting timeout. Remedy: "
-        f"--tokenizer-worker-num 1 on prefill. To start without H4's notice, set {WORKERS_OVERRIDE_ENV}=1 "
+        f"--tokenizer-worker-num 1 on prefill. To start without H4's notice, set {ALLOW_TOKENIZER_WORKERS.name}=1 "
         f"(logged)."
     )
     _refuse_unless_overridden(message, "Starting without H4's notice", ALLOW_TOKENIZER_WORKERS)
@@ -124,7 +121,7 @@ def check_kv_pool(mode: str, pool_tokens: int, context_len: int) -> None:
         f"its context length {context_len}; in prefill/decode mode a prompt between the two is "
         f"accepted and cannot be held. Remedy: give the KV pool more memory "
         f"(--mem-fraction-static, --max-total-tokens) or lower --context-length to at most "
-        f"{pool_tokens}. To start anyway, set {OVERRIDE_ENV}=1 (logged)."
+        f"{pool_tokens}. To start anyway, set {ALLOW_UNSAFE_KV_LIMITS.name}=1 (logged)."
     )
     _refuse_unless_overridden(message, "Starting anyway")
 
@@ -217,7 +214,7 @@ def check_prefill_limits(bootstrap_addr: str) -> bool:
             f"sglang-hardened H7: this decode accepts inputs up to {_own_input_limit} tokens but the "
             f"prefill at {bootstrap_addr} only up to {prefill_limit}; a prompt in between would be "
             f"admitted here and cannot be served there. Give both roles the same --context-length "
-            f"and KV pools that hold it. To serve anyway, set {OVERRIDE_ENV}=1 (logged)."
+            f"and KV pools that hold it. To serve anyway, set {ALLOW_UNSAFE_KV_LIMITS.name}=1 (logged)."
         )
         if _overridden(message, "Serving anyway"):
             return True

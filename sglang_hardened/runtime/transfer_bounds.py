@@ -50,8 +50,6 @@ from . import metrics
 from .release_timeout import process_release_timeout_s, release_timeout_s
 from .source_hold import HOLD_TIMEOUTS
 
-MAX_ENTRIES_ENV = TRANSFER_MAX_ENTRIES.name
-LINK_RATE_ENV = TRANSFER_LINK_RATE.name
 
 Batch = tuple[list[int], list[int], list[int]]  # sources, destinations, lengths: one engine call
 Write = Callable[[str, list[int], list[int], list[int]], int]

@@ -26,18 +26,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..common.knobs import SANDBOX
+from ..common.knobs import BOOTSTRAP_TOKEN, SANDBOX
 from ..common.paths import cache_dir
 from ..operations.deploy_wiring import SMG_KEYS_FLAG
 from ..operations.oracle import Reply, generate
-from ..runtime.bootstrap_auth import TOKEN_ENV
 from .env import SandboxEnv, SandboxError, overlay_module
 from .servers import ServerSpec, lb_server_args, role_of, server_names, server_specs
 
 if TYPE_CHECKING:  # instruments read the checkout's overlay: only a cluster that asks for them needs it
     from .instruments import Instruments
 
-MARKER = SANDBOX.name
 BIND_FAILED = "address already in use"
 AT_REST_WAIT_S = 30.0  # the ready probe's pages back (_wait_at_rest), else the start is tried again
 WAIT_POLL_S = 0.25  # start-up readiness polls: /health is cheap, and every start waits on several
@@ -316,7 +314,7 @@ def reap(pid: int) -> None:
 def marked_pids(run_id: str | None = None, within: str | None = None) -> list[int]:
     """Live pids whose environment carries the sandbox marker (for ``run_id``, or any) and, if
     given, the ``NAME=VALUE`` entry ``within`` (a test session's own, inherited by every child)."""
-    needle = f"{MARKER}={run_id}".encode() if run_id else f"{MARKER}=".encode()
+    needle = f"{SANDBOX.name}={run_id}".encode() if run_id else f"{SANDBOX.name}=".encode()
     also = within.encode() if within else None
     found = []
     for d in Path("/proc").iterdir():
@@ -423,7 +421,7 @@ def child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instr
     if role and p.role_ranks(role) > 1:
         e["SGLANG_CPU_OMP_THREADS_BIND"] = rank_cores(p.role_ranks(role))
     e.update({
-        MARKER: run_id,
+        SANDBOX.name: run_id,
         "SGLANG_USE_CPU_ENGINE": "1",
         "SGLANG_HOST_IP": "127.0.0.1",  # else SGLang advertises the external address
         "MC_FORCE_TCP": "1",
@@ -439,7 +437,7 @@ def child_env(env: SandboxEnv, p: ClusterParams, run_id: str, instruments: Instr
         "PYTHONUNBUFFERED": "1",
     })
     if token:
-        e[TOKEN_ENV] = token
+        e[BOOTSTRAP_TOKEN.name] = token
     if p.inflight_s:
         e[_inflight().DELAY_ENV] = str(p.inflight_s)
     e.update(kv.split("=", 1) for kv in (*(instruments.env() if instruments else ()), *p.extra_env))
@@ -581,7 +579,7 @@ def _start_lb(cluster: Cluster, env: SandboxEnv, kind: str, name: str, port: int
         lb_env.pop("PYTHONPATH")
     else:
         cmd = [sys.executable, "-m", "sglang_hardened", "lb", *servers]
-        lb_env = {**os.environ, MARKER: cluster.run_id}
+        lb_env = {**os.environ, SANDBOX.name: cluster.run_id}
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
     pid, log = spawn(name, cmd, lb_env, cluster.run_dir)
     cluster.procs[name] = Proc(name, pid, log, f"http://127.0.0.1:{port}", port, cmd)

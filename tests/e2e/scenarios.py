@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
+from sglang_hardened.common.knobs import ALLOW_UNSAFE_KV_LIMITS
 from sglang_hardened.common.knobs import E2E_MATRIX
 from sglang_hardened.operations.oracle import Reply, Verdict, differential_checks, generate
-from sglang_hardened.runtime.startup import OVERRIDE_ENV as H7_OVERRIDE
 from sglang_hardened.sandbox.cluster import BACKENDS, Cluster
 from sglang_hardened.sandbox.env import bases
 from sglang_hardened.sandbox.soak.faults import abort_request
@@ -47,7 +47,6 @@ TIMEOUT_PARAMS = dict(prefill_pool_tokens=256, decode_pool_tokens=4096, context_
 # and both NIXL builds' are the fault matrix's (H1 and H4, what the scenario shows, do not touch
 # the transport). SGLANG_HARDENED_E2E_MATRIX=full runs every scenario everywhere (README,
 # docs/e2e-matrix.md).
-MATRIX_ENV = E2E_MATRIX.name
 FULL_MATRIX = E2E_MATRIX.get() == "full"
 CORE = [("0.5.19", "mooncake"), ("0.5.23", "mooncake")]
 EVERYWHERE = [(base, backend) for base in bases() for backend in BACKENDS]
@@ -73,7 +72,7 @@ def edge() -> list[tuple[str, str]]:
 
 # Defence in depth behind H7 (which refuses these configurations at start-up):
 # the same clusters with both H7 checks overridden.
-DEPTH = dict(extra_env=(f"{H7_OVERRIDE}=1",))
+DEPTH = dict(extra_env=(f"{ALLOW_UNSAFE_KV_LIMITS.name}=1",))
 
 
 def prompt_of(tokens: int) -> str:

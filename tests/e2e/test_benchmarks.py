@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.knobs import PAGE_TAGS
 from tests.harness import CLUSTER_START, phase
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +53,7 @@ def test_serving_ab_writes_its_table_json_and_plot_from_one_run(monkeypatch, tmp
     for png in ("ab.png", "storm.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     off = {c.params.extra_env: Path(c.procs["decode"].log).read_text() for c in started}
-    assert "page tags OFF on this decode" in off[(f"{ab.TAGS_ENV}=off",)] and "page tags OFF" not in off[()]
+    assert "page tags OFF on this decode" in off[(f"{PAGE_TAGS.name}=off",)] and "page tags OFF" not in off[()]
 
 
 def test_transfer_growth_table_bounds_every_size_and_says_where_one_call_fails(monkeypatch, capsys, tmp_path):

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
+from sglang_hardened.common.knobs import TRANSFER_LINK_RATE, TRANSFER_MAX_ENTRIES
 from sglang_hardened.runtime.release_timeout import RELEASE_TIMEOUT_ENV
-from sglang_hardened.runtime.transfer_bounds import LINK_RATE_ENV, MAX_ENTRIES_ENV
 from sglang_hardened.sandbox.ledger import Ledger, wait_for, writer
 
 from .conftest import sandbox_env
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.e2e
 
 RELEASE_TIMEOUT_S = 2  # decode frees a held room after this, and this again of prefill running
 LINK_RATE = 2  # bytes/s: each call carries 2 bytes (the timeout's half at this rate): tens of thousands of calls
-CHUNK_ENV = (f"{RELEASE_TIMEOUT_ENV}={RELEASE_TIMEOUT_S}", f"{LINK_RATE_ENV}={LINK_RATE}", f"{MAX_ENTRIES_ENV}=1")
+CHUNK_ENV = (f"{RELEASE_TIMEOUT_ENV}={RELEASE_TIMEOUT_S}", f"{TRANSFER_LINK_RATE.name}={LINK_RATE}", f"{TRANSFER_MAX_ENTRIES.name}=1")
 
 
 def test_a_chunks_calls_stop_once_decode_aborted_its_room(start_cluster, tmp_path):

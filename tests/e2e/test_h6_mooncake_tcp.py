@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_hardened.common.knobs import TRANSFER_LINK_RATE
 from sglang_hardened.runtime.release_timeout import RELEASE_TIMEOUT_ENV
-from sglang_hardened.runtime.transfer_bounds import LINK_RATE_ENV, bounds_from
+from sglang_hardened.runtime.transfer_bounds import bounds_from
 from sglang_hardened.sandbox.mooncake_pair import Case, run
 
 from .conftest import sandbox_env
@@ -67,7 +68,7 @@ def test_without_the_byte_bound_one_call_outlives_the_release_timeout():
     probes, _ = run(sandbox_env("0.5.23"), [Case(256, MIB)] * 3)
     rate = 256 * MIB / min(p.call_seconds[0] for p in probes)  # bytes/s this link moved at best
     timeout_s = CHUNK_MIB * MIB / rate / 2
-    bounds = bounds_from({RELEASE_TIMEOUT_ENV: str(timeout_s), LINK_RATE_ENV: str(rate / 2)})
+    bounds = bounds_from({RELEASE_TIMEOUT_ENV: str(timeout_s), TRANSFER_LINK_RATE.name: str(rate / 2)})
     (unbounded, bounded), _ = run(sandbox_env("0.5.23"), [
         Case(CHUNK_MIB, MIB), Case(CHUNK_MIB, MIB, (bounds.max_entries, bounds.max_bytes))])
     print(f"\nloopback {rate / 1e9:.2f} GB/s, release timeout {timeout_s:.3f} s; {CHUNK_MIB} MiB as one call: "

@@ -10,9 +10,10 @@ import urllib.request
 
 import pytest
 
+from sglang_hardened.common.knobs import ALLOW_UNSAFE_KV_LIMITS
 from sglang_hardened.common.paths import patches_dir
 from sglang_hardened.pipeline.series import load_series
-from sglang_hardened.runtime.startup import LIMITS_ROUTE, OVERRIDE_ENV, REGISTRATION_FIELD
+from sglang_hardened.runtime.startup import LIMITS_ROUTE, REGISTRATION_FIELD
 
 from .conftest import sandbox_env
 from .scenarios import LEAK_PARAMS, METRICS_FLAGS, hardened_metric
@@ -66,9 +67,9 @@ def _get_json(url: str) -> dict:
 
 def test_hardened_0519_override_starts_and_both_checks_say_so(start_cluster):
     env = sandbox_env("0.5.19", hardened=True)
-    cluster = start_cluster(env, **LEAK_PARAMS, extra_env=(f"{OVERRIDE_ENV}=1",))
-    assert f"Starting anyway: {OVERRIDE_ENV}=1 overrides this check" in cluster.log_tail("prefill", 400)
-    assert f"Serving anyway: {OVERRIDE_ENV}=1 overrides this check" in cluster.log_tail("decode", 400)
+    cluster = start_cluster(env, **LEAK_PARAMS, extra_env=(f"{ALLOW_UNSAFE_KV_LIMITS.name}=1",))
+    assert f"Starting anyway: {ALLOW_UNSAFE_KV_LIMITS.name}=1 overrides this check" in cluster.log_tail("prefill", 400)
+    assert f"Serving anyway: {ALLOW_UNSAFE_KV_LIMITS.name}=1 overrides this check" in cluster.log_tail("decode", 400)
     # H0 on a live server: the start-up line, /server_info, and sglang.__version__ itself.
     series = load_series(patches_dir(), "0.5.19")
     hardened_version = f"0.5.19+hardened.{series.revision}"

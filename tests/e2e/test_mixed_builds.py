@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_hardened.common.knobs import PAGE_TAGS_COST_EVERY
 from sglang_hardened.operations.oracle import Verdict
-from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV
 from tests.harness import phase
 
 from .conftest import sandbox_env
@@ -35,7 +35,7 @@ def test_hardened_decode_refuses_what_an_unhardened_prefill_sent(start_cluster, 
     # every request is refused, so the cluster is ready when the lb is, not when one is served
     cluster = start_cluster(sandbox_env(BASE, hardened=True, without=without), prefill_env=sandbox_env(BASE),
                             **SAFE_PARAMS, probe_transfer=False, extra_flags=METRICS_FLAGS,
-                            extra_env=(f"{COST_EVERY_ENV}=1",))  # H8's cost metered, so its histogram fills
+                            extra_env=(f"{PAGE_TAGS_COST_EVERY.name}=1",))  # H8's cost metered, so its histogram fills
     idle = cluster.used_tokens()
     with phase(f"scenario unhardened prefill {BASE} hardened decode by {item}"):
         got = [cluster.generate(FITTING_C) for _ in range(2)]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.knobs import PAGE_TAGS_FAIL_CLOSED
 from sglang_hardened.operations.oracle import Verdict
-from sglang_hardened.runtime.page_tags import FAIL_CLOSED_ENV
 from sglang_hardened.sandbox.env import overlay_module
 from tests.harness import SERVER_RESTART, phase
 
@@ -111,7 +111,7 @@ def test_h8_refuses_injected_faults(start_cluster, tmp_path, base, backend):
     switch = tmp_path / "fault"
     fail_closed = (base, backend) == FAIL_CLOSED
     cluster = _fault_cluster(start_cluster, switch, base, backend, True,
-                             *((f"{FAIL_CLOSED_ENV}=1",) if fail_closed else ()))
+                             *((f"{PAGE_TAGS_FAIL_CLOSED.name}=1",) if fail_closed else ()))
     idle = cluster.used_tokens()
     assert cluster.generate(FAULT_PROBE).status == 200
     for fault in FAULTS[base, backend]:

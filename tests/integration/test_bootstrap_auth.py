@@ -10,6 +10,7 @@ import logging
 
 import pytest
 
+from sglang_hardened.common.knobs import BOOTSTRAP_TOKEN
 from sglang_hardened.runtime import bootstrap_auth
 
 REG = {"attn_tp_rank": 0, "attn_dp_rank": 0, "attn_cp_rank": 0, "pp_rank": 0, "system_dp_rank": 0,
@@ -80,7 +81,7 @@ def test_upstream_shape_takes_any_registration_from_anyone():
 
 
 def test_with_a_token_only_the_token_registers_and_the_first_peer_keeps_its_rank(monkeypatch, caplog):
-    monkeypatch.setenv(bootstrap_auth.TOKEN_ENV, "s3cret")
+    monkeypatch.setenv(BOOTSTRAP_TOKEN.name, "s3cret")
     good = bootstrap_auth.headers()
     app, table = _server(guarded=True)
     with caplog.at_level(logging.WARNING, "sglang_hardened"):
@@ -111,7 +112,7 @@ def test_with_a_token_only_the_token_registers_and_the_first_peer_keeps_its_rank
     ({**REG, "rank_port": "x"}, "ValueError"),
 ])
 def test_a_malformed_registration_gets_400_naming_it_and_takes_no_rank(monkeypatch, body, says):
-    monkeypatch.delenv(bootstrap_auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(BOOTSTRAP_TOKEN.name, raising=False)
     app, table = _server(guarded=True)
     (status, text), after = run(app, ("PUT", "/route", body, {}, "127.0.0.2"), ("PUT", "/route", REG, {}, "127.0.0.1"))
     assert status == 400 and says in text, (status, text)
@@ -119,7 +120,7 @@ def test_a_malformed_registration_gets_400_naming_it_and_takes_no_rank(monkeypat
 
 
 def test_reads_and_other_routes_pass(monkeypatch):
-    monkeypatch.setenv(bootstrap_auth.TOKEN_ENV, "s3cret")
+    monkeypatch.setenv(BOOTSTRAP_TOKEN.name, "s3cret")
     app, _ = _server(guarded=True)
     put, get = run(app, ("PUT", "/route", REG, bootstrap_auth.headers(), "127.0.0.1"),
                    ("GET", "/route?key=0", b"", {}, "127.0.0.2"))

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, STARTED_ENV, TIERS, catalogue, load_budget, overruns
+from sglang_hardened.common.knobs import SANDBOX, SUITE_STARTED
+from tests.harness import REPO, TIERS, catalogue, load_budget, overruns
 
 
 def pytest_run(*args: str | Path, started: float | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """A real pytest, with this checkout's harness; ``started``: scripts/test's start (a whole tier)."""
-    env = {k: v for k, v in os.environ.items() if k != STARTED_ENV}
+    env = {k: v for k, v in os.environ.items() if k != SUITE_STARTED.name}
     if started is not None:
-        env[STARTED_ENV] = str(started)
+        env[SUITE_STARTED.name] = str(started)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, args)],
                           capture_output=True, text=True, cwd=cwd, timeout=300, env=env)
 
@@ -137,14 +138,14 @@ def test_the_leftovers_check_names_a_marked_process_and_a_held_port():
     import socket
     import uuid
 
-    from sglang_hardened.sandbox.cluster import MARKER, leftovers
+    from sglang_hardened.sandbox.cluster import leftovers
 
     run_id = uuid.uuid4().hex
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
     port = held.getsockname()[1]
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, MARKER: run_id})
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, SANDBOX.name: run_id})
     try:
         assert leftovers([port], run_id) == [f"process {child.pid}", f"port {port}"]
     finally:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.knobs import E2E_MATRIX
 from sglang_hardened import __version__
 from sglang_hardened.common.knobs import HEALTH_PORT
 from sglang_hardened.image.build import (DOCKERFILE, PLATFORMS, build_args, build_command, ensure_wheels,
@@ -32,7 +33,6 @@ from sglang_hardened.pipeline.lock import get_pin, get_wheels, pin_for
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.pipeline.stamp import hardened_version
 from sglang_hardened.runtime.policy import knobs_for
-from tests.e2e.scenarios import MATRIX_ENV
 from tests.harness import REPO
 
 BASE = "0.5.23"
@@ -182,8 +182,8 @@ def test_healthcheck_probes_health_on_the_configured_port(container, image):
 @pytest.mark.parametrize(("suite", "runs_on"), [
     ("trixie", "cp313 x86_64"),
     pytest.param("trixie-arm64", "cp313 aarch64", marks=[
-        pytest.mark.full, pytest.mark.skipif(os.environ.get(MATRIX_ENV) != "full",
-                                             reason=f"the weekly full matrix only ({MATRIX_ENV}=full): 12-30 min")]),
+        pytest.mark.full, pytest.mark.skipif(E2E_MATRIX.get() != "full",
+                                             reason=f"the weekly full matrix only ({E2E_MATRIX.name}=full): 12-30 min")]),
 ])
 def test_on_a_base_of_another_python_or_machine_the_image_installs_the_wheel_built_for_it(
         suite, runs_on, patches, tmp_path):

@@ -28,6 +28,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from sglang_hardened.common.knobs import BOOTSTRAP_TOKEN
 from sglang_hardened.cli import main
 from sglang_hardened.common.paths import patches_dir
 from sglang_hardened.image.build import default_tag
@@ -35,7 +36,6 @@ from sglang_hardened.operations.deploy_shape import LWS_ENV
 from sglang_hardened.operations.deploy_wiring import OVERLAYS, SMG_KEYS_FLAG, pod_templates
 from sglang_hardened.pipeline.series import load_series
 from sglang_hardened.pipeline.stamp import hardened_version
-from sglang_hardened.runtime.bootstrap_auth import TOKEN_ENV
 from sglang_hardened.sandbox.recipe import RECIPE, render
 from tests.harness import REPO
 
@@ -381,7 +381,7 @@ def test_deploy_check_refuses_unsafe_parameters_with_the_rule(tmp_path, changes,
 @pytest.mark.parametrize(("text", "message"), [
     ("IMAGE=a:0.5.23-hardened.1\nIMAGES=x\n", ":2: 'IMAGES' is not one of the recipe's parameters"),
     # a secret put here is refused without being echoed: it belongs in the Secret
-    (f"{TOKEN_ENV}=s3cret-value\n", f":1: '{TOKEN_ENV}' is not one of the recipe's parameters"),
+    (f"{BOOTSTRAP_TOKEN.name}=s3cret-value\n", f":1: '{BOOTSTRAP_TOKEN.name}' is not one of the recipe's parameters"),
     ("IMAGE=a\nIMAGE=b\n", "IMAGE is set twice"),
     ("IMAGE=a\n", "no value for GATEWAY_IMAGE"),
     ("IMAGE=a\nPAGE_SIZE=64   \n", ":2: PAGE_SIZE='64   ': the ConfigMap would hold it as written"),
@@ -414,7 +414,7 @@ def test_deploy_check_refuses_a_number_that_is_not_one(tmp_path):
 def _server_env(docs: list[dict], token: dict | None) -> None:
     """base/server-common.yaml with the bootstrap token's env entry replaced (None: removed)."""
     server = docs[0]["template"]["spec"]["containers"][0]
-    server["env"] = [e for e in server["env"] if e["name"] != TOKEN_ENV] + ([token] if token else [])
+    server["env"] = [e for e in server["env"] if e["name"] != BOOTSTRAP_TOKEN.name] + ([token] if token else [])
 
 
 def _smg_keys(docs: list[dict], value: str | None, env: list[dict] | None = None, more: tuple[str, ...] = ()) -> None:
@@ -434,13 +434,13 @@ FROM_SECRET = {"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "sglang-har
 # each server, or of the gateway, in each overlay)
 UNWIRED = {
     "token not set": ("server-common.yaml", lambda d: _server_env(d, None),
-                      f"{TOKEN_ENV} is not set: anyone who reaches prefill's bootstrap port can replace a rank's "
+                      f"{BOOTSTRAP_TOKEN.name} is not set: anyone who reaches prefill's bootstrap port can replace a rank's "
                       "registration"),
-    "token in the manifest": ("server-common.yaml", lambda d: _server_env(d, {"name": TOKEN_ENV, "value": "s3cret"}),
-                              f"{TOKEN_ENV} is written into the manifest"),
-    "token optional": ("server-common.yaml", lambda d: _server_env(d, {"name": TOKEN_ENV, "valueFrom": {
+    "token in the manifest": ("server-common.yaml", lambda d: _server_env(d, {"name": BOOTSTRAP_TOKEN.name, "value": "s3cret"}),
+                              f"{BOOTSTRAP_TOKEN.name} is written into the manifest"),
+    "token optional": ("server-common.yaml", lambda d: _server_env(d, {"name": BOOTSTRAP_TOKEN.name, "valueFrom": {
         "secretKeyRef": {"name": "sglang-hardened-secrets", "key": "bootstrap-token", "optional": True}}}),
-        f"{TOKEN_ENV} is optional (Secret sglang-hardened-secrets): the pod starts without it"),
+        f"{BOOTSTRAP_TOKEN.name} is optional (Secret sglang-hardened-secrets): the pod starts without it"),
     "no smg key": ("gateway.yaml", lambda d: _smg_keys(d, None),
                    f"smg starts without {SMG_KEYS_FLAG}: whoever reaches its port removes workers"),
     "smg key in the manifest": ("gateway.yaml", lambda d: _smg_keys(d, "operator:operator:admin:s3cret"),
@@ -473,7 +473,7 @@ def test_deploy_check_judges_an_operators_own_overlay(tmp_path):
     for the token than prefill's: prefill would refuse decode's registrations and reads."""
     tree = recipe_copy(tmp_path)
     decode = pod_templates(render("lws"))["decode"]["spec"]["containers"][0]
-    at = [e["name"] for e in decode["env"]].index(TOKEN_ENV)
+    at = [e["name"] for e in decode["env"]].index(BOOTSTRAP_TOKEN.name)
     site = tmp_path / "site"
     site.mkdir()
     key = f"/spec/leaderWorkerTemplate/workerTemplate/spec/containers/0/env/{at}/valueFrom/secretKeyRef/key"
@@ -485,7 +485,7 @@ def test_deploy_check_judges_an_operators_own_overlay(tmp_path):
     assert CliRunner().invoke(main, ["deploy", "check", params, "--overlay", str(tree / "lws")]).exit_code == 0
     result = CliRunner().invoke(main, ["deploy", "check", params, "--overlay", str(site)])
     assert result.exit_code == 1, result.output
-    assert (f"prefill and decode take {TOKEN_ENV} from different Secret keys (prefill: sglang-hardened-secrets/"
+    assert (f"prefill and decode take {BOOTSTRAP_TOKEN.name} from different Secret keys (prefill: sglang-hardened-secrets/"
             "bootstrap-token, decode: sglang-hardened-secrets/other-token)") in " ".join(result.output.split())
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_hardened.common.knobs import BOOTSTRAP_TOKEN
 from sglang_hardened.runtime import bootstrap_auth, coverage, outcomes
 from sglang_hardened.runtime import page_tags_seams as seams
 from sglang_hardened.runtime.page_tags import DecodePageTags
@@ -112,7 +113,7 @@ def _route_client(monkeypatch, log: OutcomeLog | None = None):
 
 
 def test_outcomes_route_serves_the_log_and_refuses_a_malformed_position(monkeypatch):
-    monkeypatch.delenv(bootstrap_auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(BOOTSTRAP_TOKEN.name, raising=False)
     log = OutcomeLog()
     log.add(7, 400, TOO_LONG)
 
@@ -131,7 +132,7 @@ def test_long_polls_hold_no_thread_and_are_capped(monkeypatch):
     """Finding (review): each poll held an executor thread for its 5 s, with no cap. The polls wait
     until an outcome ends them, not for a deadline: on a slow host early ones would end before
     the last one arrived."""
-    monkeypatch.delenv(bootstrap_auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(BOOTSTRAP_TOKEN.name, raising=False)
     monkeypatch.setattr(outcomes, "POLLS_MAX", 20)
     monkeypatch.setattr(outcomes, "LONG_POLL_S", WAIT_S)
     log = OutcomeLog()
@@ -159,7 +160,7 @@ def test_a_burst_of_outcomes_reaches_a_follower_in_a_few_replies_not_one_each(mo
     replies (44 % of a core at 32 followers and 50 outcomes/s), a rate a client sending
     oversized prompts sets. A reply now waits until its first outcome is COALESCE_S old, also
     when the poll found it waiting (outcomes faster than a round trip: the tight burst)."""
-    monkeypatch.delenv(bootstrap_auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(BOOTSTRAP_TOKEN.name, raising=False)
     log = OutcomeLog()
 
     def burst() -> float:
@@ -189,7 +190,7 @@ def test_a_burst_of_outcomes_reaches_a_follower_in_a_few_replies_not_one_each(mo
 
 
 def test_with_a_token_only_a_decode_that_sends_it_reads_the_outcomes(monkeypatch):
-    monkeypatch.setenv(bootstrap_auth.TOKEN_ENV, "s3cret")
+    monkeypatch.setenv(BOOTSTRAP_TOKEN.name, "s3cret")
     log = OutcomeLog()
     log.add(7, 400, TOO_LONG)
 
@@ -387,7 +388,7 @@ def test_catch_up_polls_share_one_listing_and_wait_like_any_reply(monkeypatch):
     retained outcome (up to RETAIN_MAX) for each poll at once, so a loop of them, from anyone who
     reaches the port without a token, kept prefill's HTTP process busy. Now one body serves every
     catch-up until the log changes, and each waits COALESCE_S (a lower bound: never flaky)."""
-    monkeypatch.delenv(bootstrap_auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(BOOTSTRAP_TOKEN.name, raising=False)
     log = OutcomeLog()
     for room in range(1000):
         log.add(room, 400, TOO_LONG)

@@ -10,8 +10,9 @@ from collections import OrderedDict
 
 import pytest
 
+from sglang_hardened.common.knobs import ALLOW_EARLY_RELEASE, ALLOW_TOKENIZER_WORKERS, ALLOW_UNSAFE_KV_LIMITS
 from sglang_hardened.runtime import startup
-from sglang_hardened.runtime.startup import OVERRIDE_ENV, UnsafeConfiguration, check_kv_pool
+from sglang_hardened.runtime.startup import UnsafeConfiguration, check_kv_pool
 
 
 @pytest.fixture(autouse=True)
@@ -22,22 +23,22 @@ def _fresh_log_memory(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_pd_server_with_pool_below_context_is_refused_with_both_numbers(mode, monkeypatch):
-    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_UNSAFE_KV_LIMITS.name, raising=False)
     with pytest.raises(UnsafeConfiguration, match=rf"{mode} server's KV pool holds 256 tokens.*context length 1024"):
         check_kv_pool(mode, 256, 1024)
 
 
 def test_pool_that_holds_a_full_context_and_non_pd_servers_pass(monkeypatch):
-    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_UNSAFE_KV_LIMITS.name, raising=False)
     check_kv_pool("prefill", 1024, 1024)
     check_kv_pool("null", 256, 1024)
 
 
 def test_override_starts_and_says_so(monkeypatch, caplog):
-    monkeypatch.setenv(OVERRIDE_ENV, "1")
+    monkeypatch.setenv(ALLOW_UNSAFE_KV_LIMITS.name, "1")
     with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
         check_kv_pool("decode", 256, 1024)
-    assert f"{OVERRIDE_ENV}=1 overrides this check" in caplog.text
+    assert f"{ALLOW_UNSAFE_KV_LIMITS.name}=1 overrides this check" in caplog.text
 
 
 @pytest.fixture
@@ -53,7 +54,7 @@ def bootstrap_server(http_stand_in):
 
 def test_decode_refuses_a_prefill_with_a_lower_input_limit(bootstrap_server, monkeypatch, caplog):
     addr, answers = bootstrap_server
-    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_UNSAFE_KV_LIMITS.name, raising=False)
     monkeypatch.setattr(startup, "_own_input_limit", 1018)
     answers[startup.LIMITS_ROUTE] = {"max_req_input_len": 250}
     with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
@@ -128,7 +129,7 @@ def test_rank_limits_are_bounded(monkeypatch):
 def test_override_lets_decode_serve_a_prefill_with_a_lower_limit(bootstrap_server, monkeypatch, caplog):
     addr, answers = bootstrap_server
     monkeypatch.setattr(startup, "_own_input_limit", 1018)
-    monkeypatch.setenv(OVERRIDE_ENV, "1")
+    monkeypatch.setenv(ALLOW_UNSAFE_KV_LIMITS.name, "1")
     answers[startup.LIMITS_ROUTE] = {"max_req_input_len": 250}
     with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
         assert startup.check_prefill_limits(addr) is True
@@ -139,7 +140,7 @@ def test_override_lets_decode_serve_a_prefill_with_a_lower_limit(bootstrap_serve
 def test_a_pd_server_with_deferred_release_off_is_refused(value, monkeypatch):
     """Review finding: SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0 turned H5 off with a log line."""
     monkeypatch.setenv(startup.DEFERRED_ENV, value)
-    monkeypatch.delenv(startup.RELEASE_OVERRIDE_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_EARLY_RELEASE.name, raising=False)
     with pytest.raises(UnsafeConfiguration, match=rf"H5: {startup.DEFERRED_ENV}={value} turns deferred"):
         startup.check_release_setting("decode")
     startup.check_release_setting("null")  # not a PD server: nothing to hold
@@ -147,22 +148,22 @@ def test_a_pd_server_with_deferred_release_off_is_refused(value, monkeypatch):
 
 def test_deferred_release_override_starts_and_says_so(monkeypatch, caplog):
     monkeypatch.setenv(startup.DEFERRED_ENV, "0")
-    monkeypatch.setenv(startup.RELEASE_OVERRIDE_ENV, "1")
+    monkeypatch.setenv(ALLOW_EARLY_RELEASE.name, "1")
     with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
         startup.check_release_setting("prefill")
-    assert f"{startup.RELEASE_OVERRIDE_ENV}=1 overrides this check" in caplog.text
+    assert f"{ALLOW_EARLY_RELEASE.name}=1 overrides this check" in caplog.text
     assert startup.deferred_release_on({}) and startup.deferred_release_on({startup.DEFERRED_ENV: "1"})
 
 
 def test_a_prefill_with_tokenizer_workers_is_refused_unless_overridden(monkeypatch, caplog):
     """Review finding: H4's notes of the requests a tokenizer worker ends were never served."""
-    monkeypatch.delenv(startup.WORKERS_OVERRIDE_ENV, raising=False)
+    monkeypatch.delenv(ALLOW_TOKENIZER_WORKERS.name, raising=False)
     args = types.SimpleNamespace(disaggregation_mode="prefill", tokenizer_worker_num=2)
     with pytest.raises(UnsafeConfiguration, match="H4: this prefill server has --tokenizer-worker-num 2"):
         startup.check_launch(args)
     for fine in ({"tokenizer_worker_num": 1}, {"disaggregation_mode": "decode"}, {"disaggregation_mode": "null"}):
         startup.check_launch(types.SimpleNamespace(**{**vars(args), **fine}))
-    monkeypatch.setenv(startup.WORKERS_OVERRIDE_ENV, "1")
+    monkeypatch.setenv(ALLOW_TOKENIZER_WORKERS.name, "1")
     with caplog.at_level(logging.WARNING, logger="sglang_hardened"):
         startup.check_launch(args)
-    assert f"{startup.WORKERS_OVERRIDE_ENV}=1 overrides this check" in caplog.text
+    assert f"{ALLOW_TOKENIZER_WORKERS.name}=1 overrides this check" in caplog.text

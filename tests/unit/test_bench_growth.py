@@ -7,6 +7,7 @@ import logging
 import re
 
 import pytest
+from sglang_hardened.common.knobs import BOOTSTRAP_TOKEN
 from tests.harness import REPO
 
 BENCHMARKS = REPO / "benchmarks"
@@ -35,9 +36,9 @@ def test_page_tags_growth_gives_a_row_per_page_count_and_a_plot(tmp_path, capsys
 def test_outcomes_route_reaches_every_follower_and_holds_no_thread_per_poll(tmp_path, capsys, monkeypatch):
     import bench_outcomes
 
-    from sglang_hardened.runtime import bootstrap_auth, outcomes
+    from sglang_hardened.runtime import outcomes
 
-    monkeypatch.delenv(bootstrap_auth.TOKEN_ENV, raising=False)  # the followers send none
+    monkeypatch.delenv(BOOTSTRAP_TOKEN.name, raising=False)  # the followers send none
     monkeypatch.setattr(outcomes, "OUTCOMES", outcomes.OUTCOMES)  # the benchmark swaps the log per setting
 
     bench_outcomes.main(["--followers", "1,3", "--rate", "20", "--seconds", "1", "--plot", str(tmp_path / "h4.png")])

@@ -7,8 +7,8 @@ control-plane keys after one flag (nargs '*'), and a flag repeated.
 
 from __future__ import annotations
 
+from sglang_hardened.common.knobs import BOOTSTRAP_TOKEN
 from sglang_hardened.operations.deploy_wiring import SMG_KEYS_FLAG, judge_wiring
-from sglang_hardened.runtime.bootstrap_auth import TOKEN_ENV
 
 SECRET = {"secretKeyRef": {"name": "s", "key": "k"}}
 
@@ -18,7 +18,7 @@ def _docs(smg_args: list[str], smg_env: list[str]) -> list[dict]:
     def template(component: str, container: dict) -> dict:
         return {"metadata": {"labels": {"app.kubernetes.io/component": component}}, "spec": {"containers": [container]}}
 
-    server = {"name": "server", "env": [{"name": TOKEN_ENV, "valueFrom": SECRET}]}
+    server = {"name": "server", "env": [{"name": BOOTSTRAP_TOKEN.name, "valueFrom": SECRET}]}
     smg = {"name": "gateway", "command": ["smg", "launch", *smg_args],
            "env": [{"name": name, "valueFrom": SECRET} for name in smg_env]}
     return [{"kind": "Deployment", "spec": {"template": template("gateway", smg)}},

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_hardened.common.knobs import TRANSFER_LINK_RATE, TRANSFER_MAX_ENTRIES
 from sglang_hardened.common.errors import HardenedError
 from sglang_hardened.operations.launch import plan
 from sglang_hardened.runtime.policy import knobs_for, load_policy
-from sglang_hardened.runtime.transfer_bounds import LINK_RATE_ENV, MAX_ENTRIES_ENV
 
 DEFERRED = "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"
 CHECKSUM = "--disaggregation-enable-kv-checksum"
@@ -62,11 +62,11 @@ def test_transfer_bounds_are_set_on_every_base_from_the_policy_limits(bases):
         # policy.yaml: 1024 pages per batch (upstream's 0 is unbounded), 1024 entries per call,
         # 125,000,000 B/s (1 Gbit/s)
         assert env["SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES"] == "1024"
-        assert (env[MAX_ENTRIES_ENV], env[LINK_RATE_ENV]) == ("1024", "125000000")
+        assert (env[TRANSFER_MAX_ENTRIES.name], env[TRANSFER_LINK_RATE.name]) == ("1024", "125000000")
 
 
 def test_policy_show_prints_the_transfer_bounds(run_cli):
     done = run_cli("policy", "show", "--base", "0.5.19")
     assert done.returncode == 0, done.stderr
-    for name in ("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", MAX_ENTRIES_ENV, LINK_RATE_ENV):
+    for name in ("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", TRANSFER_MAX_ENTRIES.name, TRANSFER_LINK_RATE.name):
         assert name in done.stdout

@@ -23,9 +23,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_hardened.runtime.page_tags import (ROW_PATHS, FAIL_CLOSED_ENV, DecodePageTags, PageTagMismatch,
+from sglang_hardened.common.knobs import PAGE_TAGS_COST_EVERY, PAGE_TAGS_FAIL_CLOSED
+from sglang_hardened.runtime.page_tags import (ROW_PATHS, DecodePageTags, PageTagMismatch,
                                                SourceTags, TagBuffer)
-from sglang_hardened.runtime.page_tags_cost import COST_EVERY_ENV, CostMeter, read_cost_lines
+from sglang_hardened.runtime.page_tags_cost import CostMeter, read_cost_lines
 from sglang_hardened.runtime.policy import load_limits
 from tests.harness import REPO
 
@@ -263,9 +264,9 @@ def test_cpu_rows_take_the_numpy_path_and_a_gpu_path_cannot_be_numpy():
 @pytest.mark.parametrize("env, fail_closed", [("1", True), ("0", False), (None, False)])
 def test_fail_closed_stops_admission_after_a_mismatch(monkeypatch, env, fail_closed):
     if env is None:
-        monkeypatch.delenv(FAIL_CLOSED_ENV, raising=False)
+        monkeypatch.delenv(PAGE_TAGS_FAIL_CLOSED.name, raising=False)
     else:
-        monkeypatch.setenv(FAIL_CLOSED_ENV, env)
+        monkeypatch.setenv(PAGE_TAGS_FAIL_CLOSED.name, env)
     tags = DecodePageTags(4)
     tags.allocate(7, [0])
     tags.admit()
@@ -339,7 +340,7 @@ def test_gpu_benchmark_runs_its_code_path_on_cpu_at_small_sizes(monkeypatch):
 
 
 def test_the_cost_line_gives_each_operation_per_request_every_n_requests(caplog, monkeypatch):
-    monkeypatch.setenv(COST_EVERY_ENV, "2")
+    monkeypatch.setenv(PAGE_TAGS_COST_EVERY.name, "2")
     tags, prefill = DecodePageTags(8, fail_closed=False), TagBuffer(8, cost=CostMeter("prefill", "stamp", "send"))
     with caplog.at_level(logging.INFO, logger="sglang_hardened"):
         for room in (1, 2, 3):
@@ -360,13 +361,13 @@ def test_the_cost_line_gives_each_operation_per_request_every_n_requests(caplog,
 
 @pytest.mark.parametrize("value", ["-1", "ten", ""])
 def test_a_bad_cost_line_setting_stops_start_up_naming_it(monkeypatch, value):
-    monkeypatch.setenv(COST_EVERY_ENV, value)
-    with pytest.raises(ValueError, match=f"{COST_EVERY_ENV}={value!r}: give a whole number"):
+    monkeypatch.setenv(PAGE_TAGS_COST_EVERY.name, value)
+    with pytest.raises(ValueError, match=f"{PAGE_TAGS_COST_EVERY.name}={value!r}: give a whole number"):
         DecodePageTags(8)
 
 
 def test_the_cost_line_is_off_unless_asked_for(caplog, monkeypatch):
-    monkeypatch.delenv(COST_EVERY_ENV, raising=False)
+    monkeypatch.delenv(PAGE_TAGS_COST_EVERY.name, raising=False)
     assert load_limits("H8")["cost_report_every"] == 0
     tags = DecodePageTags(8, fail_closed=False)
     with caplog.at_level(logging.INFO, logger="sglang_hardened"):
@@ -376,7 +377,7 @@ def test_the_cost_line_is_off_unless_asked_for(caplog, monkeypatch):
 
 
 def test_a_stamp_made_while_another_worker_writes_the_cost_line_is_counted(caplog, monkeypatch):
-    monkeypatch.setenv(COST_EVERY_ENV, "2")
+    monkeypatch.setenv(PAGE_TAGS_COST_EVERY.name, "2")
     prefill = TagBuffer(8, cost=CostMeter("prefill", "stamp", "send"))
     other_worker = threading.Thread(target=prefill.stamp, args=([5], 5, 1))  # SGLang runs one per transfer queue
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_hardened.common.knobs import SEAM_COST_DIR
 from sglang_hardened.common.paths import patches_dir
 from sglang_hardened.pipeline.seams import runtime_seams
 from sglang_hardened.pipeline.series import load_series
@@ -149,7 +150,7 @@ def test_on_times_every_listed_seam_and_metric_writes_and_passes_exceptions(tmp_
     monkeypatch.setattr(seam_cost, "_report", None)
     (tmp_path / seam_cost.SEAMS_FILE).write_text(json.dumps({"abort_match.aborts": ["H15"],
                                                              "parallel_sampling.refuse_in_pd": ["H11"]}))
-    report = seam_cost.install({seam_cost.SWITCH_ENV: str(tmp_path)})
+    report = seam_cost.install({SEAM_COST_DIR.name: str(tmp_path)})
     assert report is not None and getattr(abort_match.aborts, seam_cost.WRAPPED) == "abort_match.aborts"
     assert [abort_match.aborts("rid-1", "rid-1"), abort_match.aborts("rid-12", "rid-1")] == [True, False]
     with pytest.raises(ValueError, match="H11"):
@@ -165,5 +166,5 @@ def test_on_times_every_listed_seam_and_metric_writes_and_passes_exceptions(tmp_
 
 
 def test_a_switch_without_its_list_stops_the_process_naming_it(tmp_path):
-    with pytest.raises(ValueError, match=f"{seam_cost.SWITCH_ENV}=.*no readable seams.json"):
-        seam_cost.install({seam_cost.SWITCH_ENV: str(tmp_path)})
+    with pytest.raises(ValueError, match=f"{SEAM_COST_DIR.name}=.*no readable seams.json"):
+        seam_cost.install({SEAM_COST_DIR.name: str(tmp_path)})

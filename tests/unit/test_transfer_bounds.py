@@ -13,10 +13,11 @@ from collections import Counter
 
 import pytest
 
+from sglang_hardened.common.knobs import TRANSFER_LINK_RATE, TRANSFER_MAX_ENTRIES
 from sglang_hardened.runtime import transfer_bounds
 from sglang_hardened.runtime.policy import load_limits
 from sglang_hardened.runtime.release_timeout import RELEASE_TIMEOUT_ENV, release_timeout_s
-from sglang_hardened.runtime.transfer_bounds import (LINK_RATE_ENV, MAX_ENTRIES_ENV, Bounds, batch_transfer_sync,
+from sglang_hardened.runtime.transfer_bounds import (Bounds, batch_transfer_sync,
                                                      bounds_from, split)
 
 # Mooncake TCP (0.3.13, default settings) rejects one call of more than about this many entries.
@@ -80,13 +81,13 @@ def test_policy_defaults_stay_under_mooncake_tcp_and_the_release_timeout():
 
 
 def test_env_overrides_each_number_and_the_byte_bound_follows_the_timeout():
-    bounds = bounds_from({MAX_ENTRIES_ENV: "64", LINK_RATE_ENV: "1000", RELEASE_TIMEOUT_ENV: "4"})
+    bounds = bounds_from({TRANSFER_MAX_ENTRIES.name: "64", TRANSFER_LINK_RATE.name: "1000", RELEASE_TIMEOUT_ENV: "4"})
     assert bounds == Bounds(64, 2000)  # 4 s timeout x the policy's 0.5 fraction x 1000 B/s
 
 
 def test_nonsense_bounds_are_refused():
     with pytest.raises(ValueError, match="must be positive"):
-        bounds_from({MAX_ENTRIES_ENV: "0"})
+        bounds_from({TRANSFER_MAX_ENTRIES.name: "0"})
 
 
 def test_seam_sends_each_batch_and_stops_at_the_first_failure(monkeypatch):
