@@ -381,7 +381,9 @@ def prefill_stopped_past_the_release_timeout(fc: FaultCluster, settle: Callable[
     fc.signal("prefill", signal.SIGSTOP)
     try:
         ans = req.answer("decode", timeout_s=LOST_PEER_S + 10)
-        time.sleep(RELEASE_TIMEOUT_S + 4)
+        # past the timeout by 4 s, and by ten of the loop's passes more in flight (each may wait
+        # for the batch before it), so an early free stays more than half a timeout early
+        time.sleep(RELEASE_TIMEOUT_S + 4 + 10 * fc.cluster.params.inflight_s)
     finally:
         resumed_at = fc.signal("prefill", signal.SIGCONT)
     assert ans.status == 500 and ans.seconds < LOST_PEER_S, ans
