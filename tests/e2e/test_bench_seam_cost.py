@@ -1,7 +1,8 @@
 """The seam-cost benchmark on a tiny setting, so it does not rot: a run, not a measurement (the
 figures are in docs/performance.md). Full tier. Cost: three cluster starts (the seams arm and
 the two syncs arms, whose scheduler runs under the overlay's dispatch mode) and three short load
-runs, about 150 s on CI's machine."""
+runs: 741 s on the 2-core machine under other sessions' load (2026-12-06), 263 s of it starts and
+about 8 minutes building the environments it found cold."""
 
 from __future__ import annotations
 
