@@ -80,7 +80,7 @@ def test_mla_ranks_upstream_truncation_reads_other_tenants_kv(start_cluster, tmp
     """Upstream's truncation on MLA across ranks: decode reads latent KV no transfer wrote for
     the request behind a 200 (pages apart by the oracle, in one page by the ledger's slots).
     Cost: one cluster start each, 2026-12-06 at load 20-45: TP 2 162 s (start 134 s), prefill PP 2
-    185 s (141 s), DP 2 354 s (132 s)."""
+    185 s (141 s), DP 2 with the radix cache off 287 s (119 s)."""
     upstream_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, model=MODEL, layout=LAYOUTS[layout])
 
 
@@ -90,5 +90,5 @@ def test_mla_ranks_hardened_truncation_is_refused(start_cluster, tmp_path, layou
     fitting one served, no page held after. Across decode ranks the client may read upstream's
     "unknown reason from another rank" instead of H3's: decode's log names H3. Cost: one cluster
     start each, 2026-12-06 at load 20-45: TP 2 140 s (start 101 s), prefill PP 2 163 s (135 s),
-    DP 2 338 s (185 s)."""
+    DP 2 with the radix cache off 223 s (80 s)."""
     hardened_truncation(start_cluster, BASE, BACKEND, tmp_path, RECIPE_PAGE, model=MODEL, layout=LAYOUTS[layout])
