@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import zipfile
+from collections import deque
 from pathlib import Path
 
 from .. import __version__
@@ -78,10 +79,11 @@ PLATFORMS = {"x86_64": "linux/amd64", "aarch64": "linux/arm64"}
 
 def build_command(engine: str, context: Path, tag: str, args: dict[str, str], platform: str) -> list[str]:
     """The engine's build command, for the base's ``platform`` (an arm64 base on an x86_64 host
-    builds under emulation). buildah writes Docker format: OCI drops HEALTHCHECK."""
+    builds under emulation). buildah writes Docker format: OCI drops HEALTHCHECK. Not quiet: a
+    pull of upstream's multi-gigabyte image and pip's install take minutes, which its lines show."""
     flags = [f"--build-arg={key}={value}" for key, value in sorted(args.items())]
     tool = ["docker", "build"] if engine == "docker" else ["buildah", "bud", "--format", "docker"]
-    return [*tool, "--quiet", "--platform", platform, "-f", str(DOCKERFILE), "-t", tag, *flags, str(context)]
+    return [*tool, "--platform", platform, "-f", str(DOCKERFILE), "-t", tag, *flags, str(context)]
 
 
 def tool_wheel_is_current(wheel: Path) -> bool:
@@ -182,8 +184,22 @@ def build_image(base: str, out_dir: Path, *, engine: str | None = None,
         _stage((wheel, tool), Path(context))
         platform = PLATFORMS[runs_on.split()[1]]
         progress(f"{base}: building {tag} for {platform} with {engine}")
-        run = subprocess.run(build_command(engine, Path(context), tag, args, platform), env=_buildah_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if run.returncode != 0:
-        raise HardenedError(f"{engine} build of {tag} failed (exit {run.returncode}):\n{run.stdout[-3000:]}")
+        returncode, tail = _streamed(build_command(engine, Path(context), tag, args, platform), progress)
+    if returncode != 0:
+        raise HardenedError(f"{engine} build of {tag} failed (exit {returncode}):\n" + "\n".join(tail))
     return tag, engine, args
+
+
+FAILURE_LINES = 40  # of the engine's output, in the error a failed build raises
+
+
+def _streamed(command: list[str], progress: Progress) -> tuple[int, deque[str]]:
+    """Run the engine, each line of its output to ``progress`` as it comes; its exit code and
+    its last FAILURE_LINES lines."""
+    tail: deque[str] = deque(maxlen=FAILURE_LINES)
+    with subprocess.Popen(command, env=_buildah_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, errors="replace") as engine:
+        for line in engine.stdout:
+            tail.append(line.rstrip())
+            progress(f"  {tail[-1]}")
+    return engine.returncode, tail

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from ..common.errors import HardenedError
@@ -35,6 +36,7 @@ CANARY_HEX = 8  # hex digits of a canary: unique per run, and short enough for a
 ANSWERS = "the deployment answers"
 FINISHED = "probe finished"
 UNFINISHED = (ANSWERS, FINISHED)
+PROGRESS_EVERY = 10  # requests between progress lines: a CronJob's log shows a slow probe moving
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,12 @@ class CanaryReport:
 
 
 class _Sender:
-    """Sends /generate requests within the plan's budget, remembering which tenant sent what."""
+    """Sends /generate requests within the plan's budget, remembering which tenant sent what,
+    and says every PROGRESS_EVERY requests how far it is."""
 
-    def __init__(self, url: str, plan: Plan):
-        self.url, self.plan = url, plan
+    def __init__(self, url: str, plan: Plan, progress: Callable[[str], None]):
+        self.url, self.plan, self.progress = url, plan, progress
+        self.start = time.monotonic()
         self.deadline = time.monotonic() + plan.time_budget_s
         self.sent: list[tuple[str, Reply]] = []  # (prompt, reply)
 
@@ -114,6 +118,9 @@ class _Sender:
         except OSError as exc:  # refused, reset, unresolvable, timed out: no answer to judge
             raise HardenedError(f"{self.url} did not answer: {getattr(exc, 'reason', exc)}") from None
         self.sent.append((prompt, reply))
+        if len(self.sent) % PROGRESS_EVERY == 0:
+            self.progress(f"canary: {len(self.sent)} of {self.plan.requests_needed} requests sent, "
+                          f"{time.monotonic() - self.start:.0f} s of its {self.plan.time_budget_s:g} s")
         return reply
 
 
@@ -124,11 +131,12 @@ def _tenant_prompt(per_word: float, tokens: int, tenant: str, canary: str) -> st
     return f"{tenant}'s secret is {canary}.{filler(per_word, tokens, canary)}. Repeat {tenant}'s secret: "
 
 
-def run_canary(url: str, plan: Plan) -> CanaryReport:
-    """Probe the deployment behind ``url`` (an LB) and judge it; never raises on a finding."""
+def run_canary(url: str, plan: Plan, progress: Callable[[str], None] = lambda line: None) -> CanaryReport:
+    """Probe the deployment behind ``url`` (an LB) and judge it, saying how far it is through
+    ``progress``; never raises on a finding."""
     plan.validate()
     start = time.monotonic()
-    send = _Sender(url.rstrip("/"), plan)
+    send = _Sender(url.rstrip("/"), plan, progress)
     report = CanaryReport(url)
     try:
         per_word = tokens_per_word(send)

@@ -93,7 +93,7 @@ def canary(url: str, pool_tokens: int, context_length: int, tenants: int, repeat
 
     plan = Plan(pool_tokens, context_length, tenants, repeats, rounds, max_requests=max_requests,
                 time_budget_s=time_budget)
-    report = run_canary(url, plan)
+    report = run_canary(url, plan, progress=lambda line: click.echo(line, err=True))
     say(format_table(("check", "result", "detail"), [(c.name, c.result, c.detail[:100]) for c in report.checks]),
         json_to)
     say(f"\ncanary: {'ok' if report.ok else 'FAILED'} ({report.requests} requests, {report.seconds:.0f} s)", json_to)

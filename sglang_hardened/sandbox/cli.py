@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ..common.errors import HardenedError
+from ..common.output import json_option, say, write_json
 from ..common.paths import cache_dir
 from ..runtime.release_timeout import release_timeout_s
 from .cluster import BACKENDS, INFLIGHT_S, LBS, Cluster, ClusterParams, marked_pids, start
@@ -149,24 +150,24 @@ def down(name: str) -> None:
 
 @sandbox.command()
 @click.option("--name", default="default", show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="URLs and parameters as JSON.")
-def status(name: str, as_json: bool) -> None:
+@json_option("URLs and parameters")
+def status(name: str, json_to: str | None) -> None:
     """Say whether the sandbox runs, with every server's URL and the parameters.
 
     \b
     Example:
       sglang-hardened sandbox status --json
+      sglang-hardened sandbox status --name soak --json status.json
     """
     cluster = _load(name)
     info = cluster.to_json() if cluster else {}
     info["running"] = bool(cluster and marked_pids(cluster.run_id))
-    if as_json:
-        click.echo(json.dumps(info, indent=1))
-    elif not cluster:
-        click.echo(f"sandbox {name!r} is not up")
+    if not cluster:
+        say(f"sandbox {name!r} is not up", json_to)
     else:
-        click.echo(f"sandbox {name!r} {'running' if info['running'] else 'dead'}: "
-                   + ", ".join(f"{n} {u}" for n, u in info["urls"].items()))
+        say(f"sandbox {name!r} {'running' if info['running'] else 'dead'}: "
+            + ", ".join(f"{n} {u}" for n, u in info["urls"].items()), json_to)
+    write_json(json_to, info)
 
 
 def _pairs(values: tuple[str, ...], what: str) -> dict[str, float]:
@@ -188,15 +189,16 @@ def _pairs(values: tuple[str, ...], what: str) -> dict[str, float]:
               help=f"Weight of a request kind (repeatable; default {_fmt(DEFAULT_MIX)}).")
 @click.option("--release-timeout", type=float, default=None,
               help="Decode's deferred-release timeout, s (default: the sandbox's environment, else upstream's).")
-@click.option("--json", "as_json", is_flag=True, help="The report as JSON.")
+@json_option("The report")
 def soak(name: str, seed: int, clients: int, duration: float, rates: tuple[str, ...], mix: tuple[str, ...],
-         release_timeout: float | None, as_json: bool) -> None:
+         release_timeout: float | None, json_to: str | None) -> None:
     """Sustained mixed traffic and random faults on an instrumented sandbox, each request judged
     against the quiet cluster and every page by the ledger. Exits 1 on any violation.
 
     \b
     Example:
       sglang-hardened sandbox soak --seed 7 --duration 120 --rate kill-decode=0 --json
+      sglang-hardened sandbox soak --seed 7 --duration 120 --json soak.json
       sglang-hardened sandbox soak --seed 4242 --duration 300 --rate rolling-restart=0.002   # on --prefills 2 --decodes 2
       sglang-hardened sandbox up --base 0.5.23 --hardened --instrument --inflight && sglang-hardened sandbox soak
 
@@ -224,8 +226,9 @@ def soak(name: str, seed: int, clients: int, duration: float, rates: tuple[str, 
         raise click.ClickException(f"{e}\nsandbox {name!r} stopped: nothing of it is left running") from e
     except (SandboxError, HardenedError) as e:
         raise click.ClickException(str(e)) from e
-    if not as_json and cluster.params.inflight_s:
-        click.echo(f"in flight: each forward's result released {cluster.params.inflight_s:g} s after it returned")
-    click.echo(json.dumps(report.to_json(), indent=1) if as_json else report.table())
+    if cluster.params.inflight_s:
+        say(f"in flight: each forward's result released {cluster.params.inflight_s:g} s after it returned", json_to)
+    say(report.table(), json_to)
+    write_json(json_to, report.to_json())
     if not report.ok:
         raise SystemExit(1)

@@ -10,11 +10,15 @@ import json
 import socket
 import threading
 
+import click
 import pytest
 from click.testing import CliRunner
 
-from sglang_hardened.common.output import UNJUDGED
+from sglang_hardened.cli import main
+from sglang_hardened.common.knobs import CACHE
+from sglang_hardened.common.output import STDOUT, UNJUDGED
 from sglang_hardened.operations.cli import canary, preflight
+from sglang_hardened.sandbox.cli import sandbox
 
 
 def closed_port() -> int:
@@ -69,3 +73,31 @@ def test_json_into_a_path_keeps_the_table_on_stdout(tmp_path):
     result = CliRunner().invoke(preflight, ["--prefill", dead, "--decode", dead, "--timeout", "2", "--json", str(out)])
     assert result.exit_code == UNJUDGED and "preflight: UNSAFE" in result.stdout
     assert json.loads(out.read_text())["unjudged"] is True and not list(tmp_path.glob(".*"))  # no temp file left
+
+
+def _commands(group: click.Group, path: str = "") -> list[tuple[str, click.Command]]:
+    """Every command under ``group``, by its full name."""
+    found = []
+    for name, command in group.commands.items():
+        found += (_commands(command, f"{path}{name} ") if isinstance(command, click.Group)
+                  else [(f"{path}{name}", command)])
+    return found
+
+
+def test_every_command_takes_json_the_same_way():
+    """--json alone is stdout, --json PATH a file, for every command that has it (output.json_option)."""
+    with_json = {name: p for name, command in _commands(main) for p in command.params if "--json" in p.opts}
+    assert {"preflight", "canary", "info", "sandbox status", "sandbox soak"} <= set(with_json), sorted(with_json)
+    odd = [name for name, p in with_json.items() if p.is_flag or p.flag_value != STDOUT or p.name != "json_to"]
+    assert not odd, f"--json means something else in {odd}"
+
+
+def test_sandbox_status_json_alone_or_into_a_path(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE.name, str(tmp_path / "cache"))
+    alone = CliRunner().invoke(sandbox, ["status", "--name", "never-up", "--json"])
+    assert alone.exit_code == 0 and json.loads(alone.stdout) == {"running": False}
+    assert "'never-up' is not up" in alone.stderr
+    out = tmp_path / "status.json"
+    into = CliRunner().invoke(sandbox, ["status", "--name", "never-up", "--json", str(out)])
+    assert into.exit_code == 0 and "'never-up' is not up" in into.stdout
+    assert json.loads(out.read_text()) == {"running": False}

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from sglang_hardened.operations.canary import Plan, _cross_tenant, run_canary
+from sglang_hardened.operations.canary import PROGRESS_EVERY, Plan, _cross_tenant, run_canary
 from sglang_hardened.operations.oracle import Reply
 from sglang_hardened.operations.preflight import Node, judge
 
@@ -128,6 +128,15 @@ def test_a_safe_deployment_passes_every_check_it_can_judge(deployment):
         "no tenant sees another's canary": "ok", "over-pool prompt": "ok",
         "over-pool probe independent of the previous tenant": "n/a",
         "fitting probe independent of the previous tenant": "ok", "report": "ok"}
+
+
+def test_the_canary_says_how_far_it_is(deployment):
+    """A CronJob's log shows a slow probe moving: a line every PROGRESS_EVERY requests."""
+    plan, lines = Plan(POOL, CONTEXT, repeats=2, rounds=1), []
+    report = run_canary(deployment(leaks=False), plan, progress=lines.append)
+    assert lines == [f"canary: {n} of {plan.requests_needed} requests sent, {line.split(', ')[1]}"
+                     for n, line in zip(range(PROGRESS_EVERY, report.requests + 1, PROGRESS_EVERY), lines)]
+    assert len(lines) == report.requests // PROGRESS_EVERY > 0
     quiet = _results(deployment(leaks=False, copies=False))
     assert quiet["no tenant sees another's canary"] == "n/a", "a model that never repeats a canary proves nothing"
     assert quiet["report"] == "ok"

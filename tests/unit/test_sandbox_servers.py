@@ -95,7 +95,7 @@ def test_status_json_lists_every_server(tmp_path, monkeypatch):
     (tmp_path / "sandbox" / "two.json").write_text(json.dumps(_cluster(tmp_path).to_json()))
     result = CliRunner().invoke(sandbox, ["status", "--name", "two", "--json"])
     assert result.exit_code == 0, result.output
-    info = json.loads(result.output)
+    info = json.loads(result.stdout)  # the line for a person went to stderr
     assert info["servers"] == {"prefill": ["prefill", "prefill-1"], "decode": ["decode", "decode-1"]}
     assert set(info["urls"]) == {"prefill", "prefill-1", "decode", "decode-1"}
     assert info["bootstrap_ports"] == {"prefill": 32000, "prefill-1": 32001} and not info["running"]
