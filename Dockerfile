@@ -19,6 +19,8 @@ ARG HARDENING_IDS
 ARG UPSTREAM_SHA256
 ARG TOOL_VERSION
 
+# What the wheel's manifest says; scripts/build-image adds what only the build knows, each
+# where known: org.opencontainers.image.source, .revision, .created and .base.digest.
 LABEL org.opencontainers.image.title="sglang-hardened" \
       org.opencontainers.image.description="SGLang with the sglang-hardened patch series for multi-tenant prefill/decode serving" \
       org.opencontainers.image.version="${HARDENED_VERSION}" \

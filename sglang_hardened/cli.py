@@ -34,7 +34,7 @@ def main() -> None:
 
 def _register() -> None:
     """Each layer's commands live beside the code they drive, in its own cli.py."""
-    from .image.cli import image
+    from .image.cli import image, verify_image
     from .lb.cli import lb
     from .model.cli import model
     from .operations.cli import canary, deploy, info, launch, policy, preflight
@@ -42,7 +42,7 @@ def _register() -> None:
     from .sandbox.cli import sandbox
 
     for command in (fetch, verify, build, rebase, upstream, info, policy, launch, preflight, canary, deploy, image,
-                    lb, model, sandbox):
+                    verify_image, lb, model, sandbox):
         main.add_command(command)
 
 

@@ -4,11 +4,14 @@ The build args (version, hardening ids, upstream hash) are read from the
 manifest inside the hardened wheel, so the image says exactly what the wheel
 carries. That wheel is the one for the base image's Python and machine (read
 from the base image itself). The build context holds only the two wheels, and
-the Dockerfile installs them offline.
+the Dockerfile installs them offline. Beside the wheels the build then writes the image's
+SBOM (sbom.py, from what the image holds) and its provenance (attest.py), signed where a key
+is given.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
@@ -17,6 +20,7 @@ import subprocess
 import tempfile
 import zipfile
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import __version__
@@ -30,6 +34,9 @@ from ..pipeline.series import load_series
 from ..pipeline.stamp import hardened_version
 from ..pipeline.wheelfile import record_entries
 from ..runtime.identity import MANIFEST_NAME, RUNS_ON_PROBE
+from .attest import CYCLONEDX, PROVENANCE, provenance, sign, statement, timestamp
+from .engine import buildah_env, digests, pick_engine, run_in
+from .sbom import image_sbom
 
 DOCKERFILE = TOOL_ROOT / "Dockerfile"
 
@@ -62,26 +69,17 @@ def default_tag(version: str) -> str:
     return f"sglang-hardened:{version.replace('+', '-')}"
 
 
-def pick_engine() -> str:
-    """Docker where its daemon answers, else buildah (daemonless: CI, inside containers)."""
-    if shutil.which("docker"):
-        probe = subprocess.run(["docker", "info"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if probe.returncode == 0:
-            return "docker"
-    if shutil.which("buildah"):
-        return "buildah"
-    raise HardenedError("no image engine: start a Docker daemon or install buildah")
-
-
 # The OCI platform of each machine upstream ships wheels for (Python's name -> the engines').
 PLATFORMS = {"x86_64": "linux/amd64", "aarch64": "linux/arm64"}
 
 
-def build_command(engine: str, context: Path, tag: str, args: dict[str, str], platform: str) -> list[str]:
+def build_command(engine: str, context: Path, tag: str, args: dict[str, str], labels: dict[str, str],
+                  platform: str) -> list[str]:
     """The engine's build command, for the base's ``platform`` (an arm64 base on an x86_64 host
     builds under emulation). buildah writes Docker format: OCI drops HEALTHCHECK. Not quiet: a
     pull of upstream's multi-gigabyte image and pip's install take minutes, which its lines show."""
     flags = [f"--build-arg={key}={value}" for key, value in sorted(args.items())]
+    flags += [f"--label={key}={value}" for key, value in sorted(labels.items())]
     tool = ["docker", "build"] if engine == "docker" else ["buildah", "bud", "--format", "docker"]
     return [*tool, "--platform", platform, "-f", str(DOCKERFILE), "-t", tag, *flags, str(context)]
 
@@ -125,29 +123,10 @@ def ensure_wheels(base: str, out_dir: Path, progress: Progress, runs_on: str | N
 def base_image_runs_on(engine: str, image: str) -> str:
     """The CPython tag and machine of the base image's ``python3`` (``cp312 x86_64``), which the
     image's hardened wheel must be built for: the official image runs 3.12, not the sandbox's 3.11."""
-    probe = ["python3", "-c", RUNS_ON_PROBE]
-    if engine == "docker":
-        run = subprocess.run(["docker", "run", "--rm", "--network", "none", "--entrypoint", probe[0], image,
-                              *probe[1:]], capture_output=True, text=True)
-    else:
-        opened = subprocess.run(["buildah", "from", "--quiet", image], env=_buildah_env(), capture_output=True, text=True)
-        if opened.returncode != 0:
-            raise HardenedError(f"buildah could not open the base image {image}: {opened.stderr.strip()[-500:]}")
-        ctr = opened.stdout.strip()
-        try:
-            run = subprocess.run(["buildah", "run", ctr, "--", *probe], env=_buildah_env(),  # chroot: no --network
-                                 capture_output=True, text=True)
-        finally:
-            subprocess.run(["buildah", "rm", ctr], env=_buildah_env(), capture_output=True)
-    if run.returncode != 0 or len(run.stdout.split()) != 2:
-        raise HardenedError(f"could not read the Python of the base image {image} (python3 -c …, "
-                            f"exit {run.returncode}): {(run.stderr or run.stdout).strip()[-500:]}")
-    return run.stdout.strip()
-
-
-def _buildah_env() -> dict[str, str]:
-    """chroot isolation needs no OCI runtime and works inside containers; an explicit setting wins."""
-    return {**os.environ, "BUILDAH_ISOLATION": os.environ.get("BUILDAH_ISOLATION", "chroot")}
+    found = run_in(engine, image, ["python3", "-c", RUNS_ON_PROBE]).strip()
+    if len(found.split()) != 2:
+        raise HardenedError(f"could not read the Python of the base image {image}: python3 printed {found[-200:]!r}")
+    return found
 
 
 def default_base_image(base: str) -> str:
@@ -167,27 +146,91 @@ def _stage(wheels: tuple[Path, ...], context: Path) -> None:
             shutil.copy2(wheel, context / wheel.name)
 
 
+@dataclass(frozen=True)
+class Built:
+    """A built image and what the build wrote beside it."""
+
+    tag: str
+    engine: str
+    args: dict[str, str]
+    image_id: str  # sha256 of its config: the ID every engine shows, and the same after a push
+    files: tuple[Path, ...]  # the SBOM, the provenance and, with a key, the signed attestations
+
+
+def _git(*args: str) -> str | None:
+    run = subprocess.run(["git", "-C", str(TOOL_ROOT), *args], capture_output=True, text=True)
+    return run.stdout.strip() if run.returncode == 0 and run.stdout.strip() else None
+
+
+def source_labels(base_digest: str | None, created: dt.datetime) -> dict[str, str]:
+    """The OCI labels only the build knows (the Dockerfile sets those the wheel's manifest
+    says): where the source is (the checkout's ``origin``), its revision (``-dirty`` with
+    uncommitted changes to tracked files), when, and the base's digest. Each is left out where
+    unknown: a label must not claim what was not seen."""
+    revision = _git("rev-parse", "HEAD")
+    if revision and _git("status", "--porcelain", "--untracked-files=no"):
+        revision += "-dirty"
+    found = {"source": _git("remote", "get-url", "origin"), "revision": revision,
+             "created": timestamp(created), "base.digest": base_digest}
+    return {f"org.opencontainers.image.{key}": value for key, value in found.items() if value}
+
+
+def build_created() -> dt.datetime:
+    """SOURCE_DATE_EPOCH where set (a reproducible build's date), else now."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    return dt.datetime.fromtimestamp(int(epoch), dt.UTC) if epoch else dt.datetime.now(dt.UTC)
+
+
+def attestation_files(out_dir: Path, tag: str) -> tuple[Path, Path, Path]:
+    """Where the build of ``tag`` writes its SBOM, its provenance and, signed, both."""
+    stem = re.sub(r"[^\w.-]+", "_", tag)
+    return out_dir / f"{stem}.cdx.json", out_dir / f"{stem}.provenance.json", out_dir / f"{stem}.intoto.jsonl"
+
+
 def build_image(base: str, out_dir: Path, *, engine: str | None = None,
-                base_image: str | None = None, tag: str | None = None,
-                progress: Progress = lambda msg: None) -> tuple[str, str, dict[str, str]]:
-    """Build the image for `base`; returns the tag, the engine used and the build args."""
+                base_image: str | None = None, tag: str | None = None, signing_key: Path | None = None,
+                progress: Progress = lambda msg: None) -> Built:
+    """Build the image for `base`, then its SBOM and provenance beside the wheels in `out_dir`
+    (signed with ``signing_key`` where one is given)."""
     if not DOCKERFILE.is_file():
         raise HardenedError(f"no Dockerfile at {DOCKERFILE}: build images from a checkout")
+    started = dt.datetime.now(dt.UTC)
     engine = engine or pick_engine()
-    runs_on = base_image_runs_on(engine, base_image or default_base_image(base))
-    progress(f"{base}: the base image runs {runs_on}")
+    base_image = base_image or default_base_image(base)
+    runs_on = base_image_runs_on(engine, base_image)
+    base_digest = digests(engine, base_image)[1]
+    progress(f"{base}: the base image runs {runs_on}; its digest {base_digest or 'is unknown (never pulled)'}")
     wheel, tool = ensure_wheels(base, out_dir, progress, runs_on)
     manifest = wheel_manifest(wheel)
     args = build_args(manifest, base_image)
     tag = tag or default_tag(manifest["version"])
+    created = build_created()
+    labels = source_labels(base_digest, created)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".image-") as context:
         _stage((wheel, tool), Path(context))
         platform = PLATFORMS[runs_on.split()[1]]
         progress(f"{base}: building {tag} for {platform} with {engine}")
-        returncode, tail = _streamed(build_command(engine, Path(context), tag, args, platform), progress)
+        returncode, tail = _streamed(build_command(engine, Path(context), tag, args, labels, platform), progress)
     if returncode != 0:
         raise HardenedError(f"{engine} build of {tag} failed (exit {returncode}):\n" + "\n".join(tail))
-    return tag, engine, args
+    image_id = digests(engine, tag)[0]
+    progress(f"{base}: built {tag} ({image_id}); reading what it holds for its SBOM")
+    inventory = json.loads(run_in(engine, tag, ["python3", "-m", "sglang_hardened.image.inventory"]))
+    sbom = image_sbom(inventory, tag=tag, image_id=image_id, created=timestamp(created), base_image=base_image,
+                      base_digest=base_digest, wheels={"sglang": wheel, "sglang-hardened": tool})
+    predicate = provenance(engine=engine, platform=platform, args=args, base_image=base_image,
+                           base_digest=base_digest, source=labels.get("org.opencontainers.image.source"),
+                           revision=labels.get("org.opencontainers.image.revision"), inputs=[wheel, tool, DOCKERFILE],
+                           started=started, finished=dt.datetime.now(dt.UTC))
+    sbom_file, provenance_file, signed = attestation_files(out_dir, tag)
+    files = {sbom_file: sbom, provenance_file: statement(tag, image_id, PROVENANCE, predicate)}
+    for path, document in files.items():
+        path.write_text(json.dumps(document, indent=1) + "\n")
+    if signing_key is not None:
+        signed.write_text("".join(json.dumps(sign(statement(tag, image_id, kind, document), signing_key)) + "\n"
+                                  for kind, document in ((PROVENANCE, predicate), (CYCLONEDX, sbom))))
+        files[signed] = None
+    return Built(tag, engine, args, image_id, tuple(files))
 
 
 FAILURE_LINES = 40  # of the engine's output, in the error a failed build raises
@@ -197,7 +240,7 @@ def _streamed(command: list[str], progress: Progress) -> tuple[int, deque[str]]:
     """Run the engine, each line of its output to ``progress`` as it comes; its exit code and
     its last FAILURE_LINES lines."""
     tail: deque[str] = deque(maxlen=FAILURE_LINES)
-    with subprocess.Popen(command, env=_buildah_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    with subprocess.Popen(command, env=buildah_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, errors="replace") as engine:
         for line in engine.stdout:
             tail.append(line.rstrip())

@@ -11,6 +11,8 @@ installs what the build context holds and nothing else.
 
 from __future__ import annotations
 
+import base64
+import datetime as dt
 import http.server
 import json
 import os
@@ -22,12 +24,15 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from cyclonedx.schema import SchemaVersion
+from cyclonedx.validation.json import JsonStrictValidator
 
 from sglang_hardened.common.knobs import E2E_MATRIX
 from sglang_hardened import __version__
+from sglang_hardened.common.hashing import sha256_file
 from sglang_hardened.common.knobs import HEALTH_PORT
-from sglang_hardened.image.build import (DOCKERFILE, PLATFORMS, build_args, build_command, ensure_wheels,
-                                         tool_wheel_is_current, wheel_manifest)
+from sglang_hardened.image.build import (DOCKERFILE, PLATFORMS, attestation_files, build_args, build_command,
+                                         ensure_wheels, tool_wheel_is_current, wheel_manifest)
 from sglang_hardened.pipeline.build import build
 from sglang_hardened.pipeline.lock import get_pin, get_wheels, pin_for
 from sglang_hardened.pipeline.series import load_series
@@ -69,13 +74,29 @@ def substitute_base() -> str:
 
 
 @pytest.fixture(scope="module")
-def image(wheels, substitute_base):
+def signing_key(tmp_path_factory) -> Path:
+    """A local ECDSA P-256 key (cosign's kind), made for this run: CI signs keyless instead."""
+    key = tmp_path_factory.mktemp("key") / "signing.pem"
+    done = run("openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", key)
+    assert done.returncode == 0, done.stderr
+    return key
+
+
+@pytest.fixture(scope="module")
+def build_run(wheels, substitute_base, signing_key):
+    """The image's build through the CLI, offline, signed with the local key: its output."""
     run("buildah", "rmi", TAG)  # left by a run that was killed: a rebuild would leave it dangling
     done = run(sys.executable, "-m", "sglang_hardened", "image", "--base", BASE, "--engine", "buildah",
-               "--base-image", substitute_base, "--out", wheels, "--tag", TAG, offline=True)
+               "--base-image", substitute_base, "--out", wheels, "--tag", TAG, "--signing-key", signing_key,
+               offline=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    yield TAG
+    yield done
     run("buildah", "rmi", TAG)
+
+
+@pytest.fixture(scope="module")
+def image(build_run) -> str:
+    return TAG
 
 
 @pytest.fixture
@@ -132,6 +153,115 @@ def test_image_labels_and_config_say_what_it_carries(image, substitute_base, pat
     assert labels["sglang-hardened.upstream-sha256"] == get_pin(patches, BASE).sha256
     assert labels["org.opencontainers.image.base.name"] == substitute_base
     assert f"{HEALTH_PORT.name}={HEALTH_PORT.default}" in config["Env"]  # the registry's default
+    # what the build alone knows: the source, its revision, when, and the base by digest
+    head, dirty = run("git", "rev-parse", "HEAD").stdout.strip(), run("git", "diff", "--quiet", "HEAD").returncode
+    assert labels["org.opencontainers.image.revision"] == head + ("-dirty" if dirty else "")
+    origin = run("git", "remote", "get-url", "origin")
+    assert labels.get("org.opencontainers.image.source") == (origin.stdout.strip() if origin.returncode == 0 else None)
+    created = dt.datetime.fromisoformat(labels["org.opencontainers.image.created"])
+    assert dt.timedelta(0) <= dt.datetime.now(dt.UTC) - created < dt.timedelta(hours=2)
+    base_digest = run("buildah", "images", "--format", "{{.Digest}}", substitute_base).stdout.split()
+    assert [labels["org.opencontainers.image.base.digest"]] == base_digest
+
+
+@pytest.mark.image
+def test_the_build_shows_its_progress(build_run):
+    """Not --quiet: the engine's steps (a pull of upstream's image, pip's install) as they run."""
+    steps = [line for line in build_run.stderr.splitlines() if line.strip().startswith("STEP ")]
+    assert len(steps) >= 3 and "FROM" in steps[0], build_run.stderr[-2000:]
+
+
+def _in_image(container: str, *argv: str) -> str:
+    done = run("buildah", "run", container, "--", *argv, offline=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.image
+def test_the_image_sbom_lists_what_the_image_holds(image, container, wheels):
+    """CycloneDX 1.6, valid; every Debian package and Python distribution the image holds (read
+    here with dpkg and pip, not the build's own reader), the hardened sglang by its wheel's
+    sha256 and a BOM-Link to that wheel's own SBOM."""
+    sbom_file = attestation_files(wheels, image)[0]
+    errors = JsonStrictValidator(SchemaVersion.V1_6).validate_str(sbom_file.read_text())
+    assert errors is None, errors
+    sbom = json.loads(sbom_file.read_text())
+    by_type: dict[str, set] = {}
+    for c in sbom["components"]:
+        kind = c["purl"].split("/")[0].removeprefix("pkg:") if "purl" in c else c["type"]
+        by_type.setdefault(kind, set()).add((c["name"].lower(), c["version"]))
+    dpkg = {(fields[1].split(":")[0], fields[2]) for line in _in_image(container, "dpkg", "-l").splitlines()
+            if (fields := line.split()) and fields[0] == "ii"}
+    pip = {(d["name"].lower(), d["version"]) for d in json.loads(_in_image(container, "python3", "-m", "pip", "list",
+                                                                           "--format", "json"))}
+    assert by_type["deb"] == dpkg and by_type["pypi"] == pip
+    os_id = dict(line.split("=", 1) for line in _in_image(container, "cat", "/etc/os-release").splitlines() if "=" in line)
+    assert by_type["operating-system"] == {(os_id["ID"].strip('"'), os_id["VERSION_ID"].strip('"'))}
+    sglang = next(c for c in sbom["components"] if c["name"] == "sglang")
+    wheel = ensure_wheels(BASE, wheels, lambda msg: None)[0]
+    assert sglang["version"] == wheel_manifest(wheel)["version"]
+    assert sglang["hashes"] == [{"alg": "SHA-256", "content": sha256_file(wheel)}]
+    with zipfile.ZipFile(wheel) as zf:
+        own = json.loads(zf.read(next(n for n in zf.namelist() if n.endswith(".cdx.json"))))
+    assert sglang["externalReferences"][0]["url"] == f"urn:cdx:{own['serialNumber'][len('urn:uuid:'):]}/{own['version']}"
+
+
+def _verify(*args: str | Path) -> subprocess.CompletedProcess:
+    return run(sys.executable, "-m", "sglang_hardened", "verify-image", "--engine", "buildah", *args, offline=True)
+
+
+def _pae(payload_type: str, body: bytes) -> bytes:
+    """DSSE's signed bytes, written out here from the spec rather than taken from attest.py."""
+    return b" ".join([b"DSSEv1", str(len(payload_type)).encode(), payload_type.encode(), str(len(body)).encode(), body])
+
+
+@pytest.mark.image
+def test_the_signed_provenance_and_sbom_verify_offline_and_a_changed_one_does_not(image, wheels, signing_key,
+                                                                                   substitute_base, tmp_path):
+    """The build's in-toto attestations (SLSA provenance v1, the SBOM), DSSE-signed with the local
+    key: openssl alone checks a signature; `verify-image` checks both, about this image's ID,
+    with no network; an SBOM changed after signing, another key, another image each fail."""
+    sbom_file, provenance_file, signed = attestation_files(wheels, image)
+    image_id = "sha256:" + run("buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", image).stdout.strip()
+    envelopes = [json.loads(line) for line in signed.read_text().splitlines()]
+    public = tmp_path / "signing.pub"
+    assert run("openssl", "pkey", "-pubout", "-in", signing_key, "-out", public).returncode == 0
+    for envelope in envelopes:
+        body = base64.b64decode(envelope["payload"])
+        (tmp_path / "sig").write_bytes(base64.b64decode(envelope["signatures"][0]["sig"]))
+        checked = subprocess.run(["openssl", "dgst", "-sha256", "-verify", public, "-signature", tmp_path / "sig"],
+                                 input=_pae(envelope["payloadType"], body), capture_output=True)
+        assert checked.returncode == 0, checked.stderr
+        assert json.loads(body)["subject"][0]["digest"] == {"sha256": image_id.split(":")[1]}
+    provenance = json.loads(provenance_file.read_text())
+    assert provenance["predicateType"] == "https://slsa.dev/provenance/v1"
+    resolved = {d.get("name") or d["uri"]: d["digest"] for d in provenance["predicate"]["buildDefinition"]["resolvedDependencies"]}
+    wheel, tool = ensure_wheels(BASE, wheels, lambda msg: None)
+    assert resolved[wheel.name] == {"sha256": sha256_file(wheel)} and resolved[tool.name] == {"sha256": sha256_file(tool)}
+    assert json.loads(base64.b64decode(envelopes[0]["payload"])) == provenance
+
+    ok = _verify("--image", image, "--key", public, "--out", wheels)
+    assert ok.returncode == 0 and "2 attestations signed by the key" in ok.stdout, ok.stdout + ok.stderr
+
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for path in (sbom_file, signed):
+        shutil.copy(path, changed / path.name)
+    sbom = json.loads(sbom_file.read_text())
+    sbom["components"] = sbom["components"][1:]  # a package dropped from the list
+    (changed / sbom_file.name).write_text(json.dumps(sbom))
+    refused = _verify("--image", image, "--key", public, "--out", changed)
+    assert refused.returncode == 1 and "is not the SBOM the build signed" in refused.stderr, refused.stderr
+    other = tmp_path / "other.pem"
+    run("openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", other)
+    refused = _verify("--image", image, "--key", other, "--out", wheels)
+    assert refused.returncode == 1 and "no signature" in refused.stderr, refused.stderr
+    moved = tmp_path / "moved"  # the same files, named as the base image's
+    moved.mkdir()
+    for path, to in zip((sbom_file, signed), attestation_files(moved, substitute_base)[::2]):
+        shutil.copy(path, to)
+    refused = _verify("--image", substitute_base, "--key", public, "--out", moved)
+    assert refused.returncode == 1 and "is not about the image" in refused.stderr, refused.stderr
 
 
 @pytest.mark.image
@@ -228,11 +358,13 @@ def test_build_args_and_command_come_from_the_wheel_manifest(wheels, patches):
         "TOOL_VERSION": __version__,
         "BASE_IMAGE": "example/base:1",
     }
-    docker = build_command("docker", Path("/ctx"), "t:1", args, PLATFORMS["aarch64"])
+    docker = build_command("docker", Path("/ctx"), "t:1", args, {"org.opencontainers.image.revision": "abc"},
+                           PLATFORMS["aarch64"])
     assert docker[:2] == ["docker", "build"] and docker[-1] == "/ctx"
     assert ["--platform", "linux/arm64"] == docker[docker.index("--platform"):docker.index("--platform") + 2]
     assert ["-f", str(DOCKERFILE)] == docker[docker.index("-f"):docker.index("-f") + 2]
     assert f"--build-arg=HARDENING_IDS={args['HARDENING_IDS']}" in docker
+    assert "--label=org.opencontainers.image.revision=abc" in docker and "--quiet" not in docker
 
 
 def test_current_wheels_are_reused_and_a_stale_tool_wheel_is_not(wheels, tmp_path):
