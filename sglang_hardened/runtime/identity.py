@@ -82,6 +82,7 @@ def server_info() -> dict:
         "page_tags": tags_on(),
         "bootstrap_token": token_set(),
         "runs_on": runs_on(),
+        "metrics": metrics.health(),
     }
 
 

@@ -17,6 +17,8 @@ series are missing events.
 At start-up (``at_start``, from H0's seam) every label set the lists allow is written at 0 for
 each counter and gauge, and ``build_info`` at 1: Prometheus' ``increase`` needs a sample before
 the first event to see that event, and ``build_info`` tells a hardened server from an upstream one.
+``metrics_healthy`` is 1 from then until a write fails in any process; /server_info says the
+same (``health``), with what failed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ ROLES = ("prefill", "decode", "api")  # api: where any server first reads a requ
 # What each id refuses or ends a request for, by the role that counts it: the only (role,
 # reason) pairs its labels take, each exported at 0 from start-up (docs/metrics.md's table).
 REFUSALS: dict[str, dict[str, tuple[str, ...]]] = {
-    "H1": {"prefill": ("input_too_long",)},  # prefill's admission refusal (upstream's own check from 0.5.21)
+    # the scheduler's admission refusal on prefill (upstream's own check from 0.5.21) or a server outside
+    # PD (api); the tokenizer manager's, any role, of a prompt past the context (runtime/input_limits.py)
+    "H1": {"prefill": ("input_too_long", "over_context", "over_context_with_output"),
+           "decode": ("over_context", "over_context_with_output"),
+           "api": ("input_too_long", "over_context", "over_context_with_output")},
     "H3": {"decode": ("unstated_coverage", "prompt_length_differs", "another_rank"), "prefill": ("sender_shortfall",)},
     "H4": {"decode": ("prefill_ended",)},
     "H7": {"decode": ("limit_below_decode", "limit_unreadable")},  # per refused readiness check, not per request
@@ -75,11 +81,15 @@ SPECS: dict[str, tuple[Any, ...]] = {
                             ("role", "op"), OP_SECONDS_BUCKETS),
     "metric_errors_total": ("counter", "Writes of a hardening metric that failed (the event went uncounted), "
                                        "by metric (its name after sglang_hardened_).", ("metric",)),
+    # kind "health": a gauge each process sets, the lowest served (a failed process's 0 wins)
+    "metrics_healthy": ("health", "1 while every hardening metric write of every process of this server has "
+                                  "succeeded; 0 from a process's first failed write until the server restarts.", ()),
     # one series per server, its labels from the build's own manifest (never from a request)
     "build_info": ("info", "The hardened build this server runs (always 1).",
                    ("version", "base", "series_revision", "tool_version", "hardening_ids")),
 }
 ERRORS = "metric_errors_total"  # its label values are this table's names: a fixed list too
+HEALTH = "metrics_healthy"
 
 _metrics: dict[str, Any] = {}
 _lock = threading.Lock()
@@ -111,6 +121,8 @@ def _metric(name: str) -> Any:
                 _metrics[name] = pc.Gauge(family(name), help_text, labels, multiprocess_mode="livesum")
             elif kind == "info":
                 _metrics[name] = pc.Gauge(family(name), help_text, labels, multiprocess_mode="max")
+            elif kind == "health":
+                _metrics[name] = pc.Gauge(family(name), help_text, labels, multiprocess_mode="min")
             else:
                 _metrics[name] = pc.Histogram(family(name), help_text, labels, buckets=buckets[0])
         return _metrics[name]
@@ -119,7 +131,9 @@ def _metric(name: str) -> Any:
 def _write(name: str, op: str, value: float, labels: Mapping[str, str]) -> None:
     """``op`` (inc, observe, set) on metric ``name``. Counting runs before the hardening action it
     counts (a release, an abort), so a write that fails (its mmap file, a full disk) never
-    raises: it is counted in ERRORS, its first failure logged, and the next event tries again."""
+    raises: it is counted in ERRORS, HEALTH drops to 0 for this process (a gauge, in another
+    file than the counters', so it can say so when the counters' file is the one that failed),
+    its first failure is logged, and the next event tries again."""
     if not enabled():
         return
     try:
@@ -132,8 +146,10 @@ def _write(name: str, op: str, value: float, labels: Mapping[str, str]) -> None:
         if first:
             log.warning("sglang-hardened: metric %s_%s could not be written in this process (each such write "
                         "is counted in %s_%s): %s", PREFIX, name, PREFIX, ERRORS, e)
-        if name != ERRORS:
+        if name not in (ERRORS, HEALTH):
             _write(ERRORS, "inc", 1, {"metric": name})
+        if name != HEALTH:
+            _write(HEALTH, "set", 0, {})
 
 
 def _inc(name: str, amount: float = 1, **labels: str) -> None:
@@ -175,10 +191,34 @@ def at_start(build: Mapping[str, Any] | None) -> None:
         if kind in ("counter", "gauge"):
             for labels in listed(name):
                 _write(name, "inc", 0, labels)
+    with _lock:
+        failed = bool(_failed)
+    _write(HEALTH, "set", 0 if failed else 1, {})
     if build is not None:
         _write("build_info", "set", 1, {
             "version": build["version"], "base": build["base"], "series_revision": str(build["revision"]),
             "tool_version": build["tool"]["version"], "hardening_ids": ",".join(build["hardening_ids"])})
+
+
+def health() -> dict[str, Any]:
+    """The ``metrics`` field of /server_info: whether this server's hardening metrics are served
+    whole, read from the multiprocess folder as its /metrics route reads it (every process's
+    HEALTH and ERRORS), and whether the folder still takes writes. A silenced writer shows here
+    even where nothing scrapes the server; with the folder gone, /metrics serves none of these."""
+    if not enabled():
+        return {"enabled": False}
+    folder = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    writable = os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
+    try:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        samples = [s for m in MultiProcessCollector(None, path=folder).collect() for s in m.samples]
+    except Exception as e:  # noqa: BLE001 - a report, never a failed route
+        return {"enabled": True, "healthy": False, "folder_writable": writable, "unreadable": str(e)[:200]}
+    lowest = [s.value for s in samples if s.name == family(HEALTH)]
+    failed = {s.labels["metric"]: int(s.value) for s in samples if s.name == f"{family(ERRORS)}_total" and s.value}
+    return {"enabled": True, "healthy": writable and lowest == [1.0] and not failed, "folder_writable": writable,
+            "failed_writes": failed}
 
 
 def refused(hid: str, role: str, reason: str) -> None:

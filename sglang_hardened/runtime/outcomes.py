@@ -43,7 +43,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 from ..common.knobs import BOOTSTRAP_TOKEN
-from . import bootstrap_auth, metrics
+from . import bootstrap_auth, input_limits, metrics
 from .coverage import SHORTFALL
 from .peer_json import READ_ERRORS, get_json, is_int
 from .warmup import FAKE_BOOTSTRAP_HOST
@@ -228,16 +228,19 @@ _watched_lock = threading.Lock()
 # --- prefill side ------------------------------------------------------------
 
 def note_prefill_finish(tokenizer_manager, obj, out: dict) -> None:
-    """Seam in the tokenizer manager's response loop: note a prefill request ended by an abort."""
+    """Seam in the tokenizer manager's response loop: note a prefill request ended by an abort,
+    and count the scheduler's admission refusal (over its input limit: the smaller of pool and
+    context) on prefill and on a server outside PD. Not on decode, where that refusal reads the
+    same as H4 ending a request on prefill's word (counted as H4 ``prefill_ended``)."""
     reason = out.get("meta_info", {}).get("finish_reason")
-    mode = getattr(getattr(tokenizer_manager, "disaggregation_mode", None), "value", None)
+    role = input_limits.role_of(tokenizer_manager)
     room = getattr(obj, "bootstrap_room", None)
-    if mode != "prefill" or not isinstance(reason, dict) or reason.get("type") != "abort":
+    if role == "decode" or not isinstance(reason, dict) or reason.get("type") != "abort":
         return
     status, message = int(reason.get("status_code") or 500), str(reason.get("message", ""))
     if status == 400 and _SAFE_REASONS[0].search(message):  # refused at admission: nothing bootstrapped
-        metrics.refused("H1", "prefill", "input_too_long")
-    if isinstance(room, int):
+        metrics.refused("H1", "prefill" if role == "prefill" else "api", "input_too_long")
+    if role == "prefill" and isinstance(room, int):
         OUTCOMES.add(room, status, message)
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -269,6 +270,11 @@ def test_a_quiet_cluster_counts_no_hardening_event(fc):
             listed = {(f"sglang_hardened_{name}", frozenset(labels.items())) for labels in metrics.listed(name)}
             assert listed <= present, (role, name, sorted(listed - present))
         assert [s.value for s in samples if s.name == "sglang_hardened_build_info"] == [1], role
+        # every metric write so far succeeded, as the gauge and /server_info both say
+        assert [s.value for s in samples if s.name == "sglang_hardened_metrics_healthy"] == [1], role
+        with urllib.request.urlopen(f"{getattr(fc.cluster, f'{role}_url')}/server_info", timeout=30) as reply:
+            assert json.load(reply)["hardening"]["metrics"] == {
+                "enabled": True, "healthy": True, "folder_writable": True, "failed_writes": {}}, role
     if fc.build.backend == "mooncake":
         assert fc.metric("prefill", "transfer_call_entries_count") >= 1
 

@@ -36,6 +36,7 @@ from .scenarios import (
     TRUNC_PREFILL_TOKENS,
     core,
     edge,
+    prompt_of,
     hardened_metric,
     hardened_samples,
     upstream_only,
@@ -54,6 +55,8 @@ PREFILL_LIMIT_MESSAGE = "exceeds the maximum allowed length (250 tokens)"
 WRONG_TYPE = {"sampling_params": {"temperature": "hot", "max_new_tokens": 4}}  # H12
 NULL_N = {"sampling_params": {"n": None}}  # H12: 0.5.22's schema gate lets null through
 H1_REFUSED = {"id": "H1", "role": "prefill", "reason": "input_too_long"}
+PAST_CONTEXT = prompt_of(1030)  # past BOUNDARY_PARAMS' 1024-token context: the tokenizer refuses it
+CONTEXT_MESSAGE = "is longer than the model's context length (1024 tokens)"
 
 
 @pytest.mark.claim("H4", "hardened", params=["0.5.23-mooncake"])
@@ -62,7 +65,8 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
     """H1/H4: an over-limit prompt gets prefill's 400 at once through mini-lb, from prefill's
     own message; the longest accepted prompt and a chunked one are served and history-free.
     H12: a sampling parameter of the wrong type gets a 400 naming it (0.5.22's schema gate for
-    "hot" on 0.5.22+, H12 before it and for null)."""
+    "hot" on 0.5.22+, H12 before it and for null). A prompt past the context gets the
+    tokenizer's 400, which each role counts (H1 ``over_context``)."""
     cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **BOUNDARY_PARAMS, **DEPTH,
                             extra_flags=METRICS_FLAGS)
     idle = cluster.used_tokens()
@@ -73,9 +77,12 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
         v = observe_probes(cluster, {"oversized": OVERSIZED_B, "over_limit": OVER_LIMIT,
                                      "at_limit": AT_LIMIT, "chunked": CHUNKED, "control": FITTING_C})
         malformed = [generate(cluster.lb_url, FITTING_C, extra=body, timeout=60) for body in (WRONG_TYPE, NULL_N)]
+        past_context = [generate(cluster.lb_url, PAST_CONTEXT, timeout=60) for _ in range(2)]
     # H12 names the field; 0.5.22's schema gate, which answers first there, the value and its type
     assert all(r.status == 400 for r in malformed) and "hot" in malformed[0].body, malformed
     assert "H12" in malformed[1].body and "n=None" in malformed[1].body, malformed[1]  # past 0.5.22's gate too
+    # the tokenizer's own refusal, before any scheduler: counted on each role mini-lb sent it to
+    assert all(r.status == 400 and CONTEXT_MESSAGE in r.body for r in past_context), past_context
     for name in ("oversized", "over_limit"):
         for r in replies(v[name]):
             record_timing(f"{name} via mini-lb", base, backend, "hardened", r)
@@ -93,6 +100,8 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
     assert hardened_metric(cluster, "decode", "requests_refused_total", id="H4", reason="prefill_ended") >= 1
     assert hardened_metric(cluster, "decode", "outcome_polls_total", result="ok") >= 1
     assert all(hardened_metric(cluster, role, "requests_refused_total", id="H12") >= 1 for role in ("prefill", "decode"))
+    assert all(hardened_metric(cluster, role, "requests_refused_total", id="H1", reason="over_context")
+               == len(past_context) for role in ("prefill", "decode"))
 
 
 @pytest.mark.claim("H3", "upstream", params=["0.5.23-mooncake"])

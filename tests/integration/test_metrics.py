@@ -199,6 +199,42 @@ def test_a_write_error_silences_only_what_failed_and_is_counted(tmp_path):
     assert sorted(logged) == ["hold_seconds", "transfer_call_bytes", "transfer_call_entries"], done.stderr
 
 
+HEALTH = """
+import json
+from sglang_hardened.runtime import metrics
+print(json.dumps(metrics.health()))
+"""
+
+
+def test_a_silenced_writer_shows_in_the_health_gauge_and_server_info(tmp_path):
+    """Finding: a metrics writer that failed left no mark an operator could see before the
+    undercount itself. The server starts healthy (gauge 1, /server_info's ``metrics`` says so);
+    then a scheduler-like process's counter file cannot be written: its events go uncounted
+    and so does their error count (the same file), but the health gauge, in another file, drops
+    to 0 for the whole server and /server_info's field turns unhealthy."""
+    env = _env(tmp_path)
+    _run(START, env=env)
+    assert _served(env)[("sglang_hardened_metrics_healthy", ())] == 1
+    assert json.loads(_run(HEALTH, env=env)) == {"enabled": True, "healthy": True, "folder_writable": True,
+                                                 "failed_writes": {}}
+    blocked = ("import os\n"
+               "from sglang_hardened.runtime import metrics\n"
+               "counters = os.path.join(os.environ['PROMETHEUS_MULTIPROC_DIR'], f'counter_{os.getpid()}.db')\n"
+               "os.mkdir(counters)\n"
+               "metrics.refused('H8', 'decode', 'tag_mismatch')\n"
+               "os.rmdir(counters)\n")
+    subprocess.run([sys.executable, "-c", blocked], check=True, capture_output=True, env=env)
+    value = _served(env)
+    assert value[("sglang_hardened_metrics_healthy", ())] == 0
+    tag_mismatch = ("sglang_hardened_requests_refused_total", (("id", "H8"), ("reason", "tag_mismatch"), ("role", "decode")))
+    assert value[tag_mismatch] == 0  # uncounted: what the gauge is there to say
+    assert json.loads(_run(HEALTH, env=env))["healthy"] is False
+    gone = json.loads(_run(HEALTH, env={**env, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "gone")}))
+    assert gone["healthy"] is False and gone["folder_writable"] is False and "not a directory" in gone["unreadable"]
+    assert json.loads(_run(HEALTH, env={k: v for k, v in env.items() if k != "PROMETHEUS_MULTIPROC_DIR"})) == {
+        "enabled": False}
+
+
 # the H0 seam, as the HTTP server calls it once it has started its processes
 START = "from sglang_hardened.runtime import identity; identity.log_startup()"
 
@@ -223,7 +259,8 @@ def test_every_listed_series_is_served_at_zero_from_the_servers_start(tmp_path):
     refused = {(dict(labels)["id"], dict(labels)["role"], dict(labels)["reason"])
                for name, labels in value if name == "sglang_hardened_requests_refused_total"}
     assert refused == _documented_refusals()
-    assert set(value.values()) == {0.0}
+    assert {v for (name, _), v in value.items() if name != "sglang_hardened_metrics_healthy"} == {0.0}
+    assert value[("sglang_hardened_metrics_healthy", ())] == 1
     for name, (kind, *_) in metrics.SPECS.items():
         if kind in ("counter", "gauge"):
             sample = metrics.family(name) + ("_total" if kind == "counter" else "")

@@ -83,7 +83,8 @@ def _exprs() -> list[str]:
 
 def served_names() -> set[str]:
     """The sample names /metrics serves for runtime/metrics.py's SPECS."""
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",), "info": ("",)}
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",), "info": ("",),
+                "health": ("",)}
     return {metrics.family(name) + s for name, (kind, *_) in metrics.SPECS.items() for s in suffixes[kind]}
 
 
@@ -194,8 +195,8 @@ def _series(name: str, labels: dict[str, str]) -> str:
 
 def quiet() -> dict[str, str]:
     """A quiet cluster as Prometheus scrapes it: each server's listed series at 0 (runtime's
-    `listed`, what `at_start` writes), its build info and SGLang's own context length, and a
-    canary that passes every minute."""
+    `listed`, what `at_start` writes), its build info, its metrics health at 1 and SGLang's own
+    context length, and a canary that passes every minute."""
     series = {}
     for server in SERVER.values():
         for name, (kind, *_) in metrics.SPECS.items():
@@ -204,6 +205,7 @@ def quiet() -> dict[str, str]:
                 for labels in metrics.listed(name):
                     series[_series(sample, {**server, **labels})] = f"0x{STEPS}"
         series[_series("sglang_hardened_build_info", {**server, **BUILD})] = f"1x{STEPS}"
+        series[_series("sglang_hardened_metrics_healthy", server)] = f"1x{STEPS}"
         series[_series("sglang:context_len", server)] = f"1024x{STEPS}"
     for name in ("kube_cronjob_status_last_schedule_time", "kube_cronjob_status_last_successful_time"):
         series[_series(name, CANARY)] = f"0+60x{STEPS}"  # seconds since the test's start
@@ -243,6 +245,8 @@ EVENTS: dict[str, tuple[dict[str, str | None], int]] = {
         **SERVER["decode"], "result": "unreadable"}): RISING}, 45),
     "SGLangHardenedMetricWritesFailing": ({_series("sglang_hardened_metric_errors_total", {
         **SERVER["prefill"], "metric": "hold_seconds"}): STEP_AT_2M}, 3),
+    "SGLangHardenedMetricsUnhealthy": ({_series("sglang_hardened_metrics_healthy", SERVER["decode"]):
+                                        f"1x2 0x{STEPS - 2}"}, 8),
     "SGLangHardenedServerNotHardened": (
         {_series("sglang_hardened_build_info", {**SERVER["decode"], **BUILD}): None}, 15),
     "SGLangHardenedMixedBuilds": ({
