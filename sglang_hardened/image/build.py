@@ -39,6 +39,7 @@ from .engine import buildah_env, digests, pick_engine, run_in
 from .sbom import image_sbom
 
 DOCKERFILE = TOOL_ROOT / "Dockerfile"
+TOOL_DOCKERFILE = TOOL_ROOT / "Dockerfile.tool"  # the slim tool image: the tool wheel alone
 
 
 def wheel_manifest(wheel: Path) -> dict:
@@ -64,24 +65,25 @@ def build_args(manifest: dict, base_image: str | None = None) -> dict[str, str]:
     return args
 
 
-def default_tag(version: str) -> str:
-    """`sglang-hardened:0.5.23-hardened.1`: an image tag cannot hold the `+`."""
-    return f"sglang-hardened:{version.replace('+', '-')}"
+def default_tag(version: str, tool_only: bool = False) -> str:
+    """`sglang-hardened:0.5.23-hardened.1` (an image tag cannot hold the `+`); the tool image's
+    `sglang-hardened-tool:0.5.23-hardened.1`, the same tag as the servers' it goes with."""
+    return f"sglang-hardened{'-tool' if tool_only else ''}:{version.replace('+', '-')}"
 
 
 # The OCI platform of each machine upstream ships wheels for (Python's name -> the engines').
 PLATFORMS = {"x86_64": "linux/amd64", "aarch64": "linux/arm64"}
 
 
-def build_command(engine: str, context: Path, tag: str, args: dict[str, str], labels: dict[str, str],
-                  platform: str) -> list[str]:
+def build_command(engine: str, dockerfile: Path, context: Path, tag: str, args: dict[str, str],
+                  labels: dict[str, str], platform: str) -> list[str]:
     """The engine's build command, for the base's ``platform`` (an arm64 base on an x86_64 host
     builds under emulation). buildah writes Docker format: OCI drops HEALTHCHECK. Not quiet: a
     pull of upstream's multi-gigabyte image and pip's install take minutes, which its lines show."""
     flags = [f"--build-arg={key}={value}" for key, value in sorted(args.items())]
     flags += [f"--label={key}={value}" for key, value in sorted(labels.items())]
     tool = ["docker", "build"] if engine == "docker" else ["buildah", "bud", "--format", "docker"]
-    return [*tool, "--platform", platform, "-f", str(DOCKERFILE), "-t", tag, *flags, str(context)]
+    return [*tool, "--platform", platform, "-f", str(dockerfile), "-t", tag, *flags, str(context)]
 
 
 def tool_wheel_is_current(wheel: Path) -> bool:
@@ -129,11 +131,12 @@ def base_image_runs_on(engine: str, image: str) -> str:
     return found
 
 
-def default_base_image(base: str) -> str:
-    """The Dockerfile's own BASE_IMAGE for `base` (upstream's image of the release)."""
-    match = re.search(r"^ARG BASE_IMAGE=(\S+)$", DOCKERFILE.read_text(), re.M)
+def default_base_image(base: str, dockerfile: Path = DOCKERFILE) -> str:
+    """The Dockerfile's own BASE_IMAGE for `base` (upstream's image of the release; the tool
+    image's small Python)."""
+    match = re.search(r"^ARG BASE_IMAGE=(\S+)$", dockerfile.read_text(), re.M)
     if not match:
-        raise HardenedError(f"{DOCKERFILE} has no `ARG BASE_IMAGE=` default")
+        raise HardenedError(f"{dockerfile} has no `ARG BASE_IMAGE=` default")
     return match.group(1).replace("${SGLANG_BASE}", base)
 
 
@@ -189,38 +192,47 @@ def attestation_files(out_dir: Path, tag: str) -> tuple[Path, Path, Path]:
 
 def build_image(base: str, out_dir: Path, *, engine: str | None = None,
                 base_image: str | None = None, tag: str | None = None, signing_key: Path | None = None,
+                tool_only: bool = False, extra_args: dict[str, str] | None = None,
                 progress: Progress = lambda msg: None) -> Built:
-    """Build the image for `base`, then its SBOM and provenance beside the wheels in `out_dir`
-    (signed with ``signing_key`` where one is given)."""
-    if not DOCKERFILE.is_file():
-        raise HardenedError(f"no Dockerfile at {DOCKERFILE}: build images from a checkout")
+    """Build the image for `base` (``tool_only``: the slim tool image that goes with it), then
+    its SBOM and provenance beside the wheels in `out_dir` (signed with ``signing_key`` where
+    one is given). ``extra_args``: build args of the caller's (a proxy, PIP_NO_INDEX), after
+    the manifest's."""
+    dockerfile = TOOL_DOCKERFILE if tool_only else DOCKERFILE
+    if not dockerfile.is_file():
+        raise HardenedError(f"no {dockerfile.name} at {dockerfile}: build images from a checkout")
     started = dt.datetime.now(dt.UTC)
     engine = engine or pick_engine()
-    base_image = base_image or default_base_image(base)
+    base_image = base_image or default_base_image(base, dockerfile)
     runs_on = base_image_runs_on(engine, base_image)
     base_digest = digests(engine, base_image)[1]
     progress(f"{base}: the base image runs {runs_on}; its digest {base_digest or 'is unknown (never pulled)'}")
-    wheel, tool = ensure_wheels(base, out_dir, progress, runs_on)
+    # the tool image installs the tool wheel alone, but is labelled from the hardened wheel's
+    # manifest like the servers' image: the same versions, so the two are told apart by name only
+    wheel, tool = ensure_wheels(base, out_dir, progress, None if tool_only else runs_on)
+    installed = {"sglang-hardened": tool} if tool_only else {"sglang": wheel, "sglang-hardened": tool}
     manifest = wheel_manifest(wheel)
-    args = build_args(manifest, base_image)
-    tag = tag or default_tag(manifest["version"])
+    args = {**build_args(manifest, base_image), **(extra_args or {})}
+    tag = tag or default_tag(manifest["version"], tool_only)
     created = build_created()
     labels = source_labels(base_digest, created)
+    platform = PLATFORMS[runs_on.split()[1]]
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".image-") as context:
-        _stage((wheel, tool), Path(context))
-        platform = PLATFORMS[runs_on.split()[1]]
+        _stage(tuple(installed.values()), Path(context))
         progress(f"{base}: building {tag} for {platform} with {engine}")
-        returncode, tail = _streamed(build_command(engine, Path(context), tag, args, labels, platform), progress)
+        returncode, tail = _streamed(build_command(engine, dockerfile, Path(context), tag, args, labels, platform),
+                                     progress)
     if returncode != 0:
         raise HardenedError(f"{engine} build of {tag} failed (exit {returncode}):\n" + "\n".join(tail))
     image_id = digests(engine, tag)[0]
     progress(f"{base}: built {tag} ({image_id}); reading what it holds for its SBOM")
     inventory = json.loads(run_in(engine, tag, ["python3", "-m", "sglang_hardened.image.inventory"]))
     sbom = image_sbom(inventory, tag=tag, image_id=image_id, created=timestamp(created), base_image=base_image,
-                      base_digest=base_digest, wheels={"sglang": wheel, "sglang-hardened": tool})
+                      base_digest=base_digest, wheels=installed)
     predicate = provenance(engine=engine, platform=platform, args=args, base_image=base_image,
                            base_digest=base_digest, source=labels.get("org.opencontainers.image.source"),
-                           revision=labels.get("org.opencontainers.image.revision"), inputs=[wheel, tool, DOCKERFILE],
+                           revision=labels.get("org.opencontainers.image.revision"),
+                           inputs=[*installed.values(), dockerfile],
                            started=started, finished=dt.datetime.now(dt.UTC))
     sbom_file, provenance_file, signed = attestation_files(out_dir, tag)
     files = {sbom_file: sbom, provenance_file: statement(tag, image_id, PROVENANCE, predicate)}

