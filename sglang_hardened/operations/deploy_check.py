@@ -24,6 +24,7 @@ from .preflight import Finding, Node, judge
 # Every key the file must hold, and what it is; any other key but the policy's knobs is a typo, refused.
 PARAMS = {
     "IMAGE": "the hardened image, tagged <release>-hardened.<n> as scripts/build-image tags it",
+    "TOOL_IMAGE": "the slim tool image of the same release (the gate and the canary), tagged as IMAGE is",
     "GATEWAY_IMAGE": "an image with the SGLang Model Gateway (`smg`) on its PATH",
     "MODEL_PATH": "the model directory inside the servers' pods (both roles load the same one)",
     "CONTEXT_LENGTH": "both roles' --context-length",
@@ -38,7 +39,7 @@ INTEGERS = ("CONTEXT_LENGTH", "PREFILL_MAX_TOTAL_TOKENS", "DECODE_MAX_TOTAL_TOKE
 TRANSFER_BACKENDS = ("mooncake", "nixl")
 UNSAFE_VALUE = re.compile(r"^\s|\s$|[#'\"]")  # kustomize's env files take the rest of the line as the value
 # scripts/build-image's tag (image/build.py default_tag), with an optional registry and digest
-HARDENED_TAG = re.compile(r":(?P<base>\d+\.\d+\.\d+)-hardened\.\d+(@sha256:[0-9a-f]{64})?$")
+HARDENED_TAG = re.compile(r":(?P<release>(?P<base>\d+\.\d+\.\d+)-hardened\.\d+)(@sha256:[0-9a-f]{64})?$")
 
 
 @cache
@@ -125,6 +126,13 @@ def check(params: Params) -> list[Finding]:
     if tag is None:
         out.append(Finding("unsafe", "IMAGE", f"{image} is not tagged as a hardened build (<release>-hardened.<n>)",
                            "build it with `scripts/build-image --base <release>`, push it, and set IMAGE to that tag"))
+    tool = params.values["TOOL_IMAGE"]
+    tool_tag = HARDENED_TAG.search(tool)
+    if tag and (tool_tag is None or tool_tag.group("release") != tag.group("release")):
+        # the gate judges the servers with its own release's rules: another release's may pass what this one refuses
+        out.append(Finding("unsafe", "TOOL_IMAGE", f"{tool} is not the tool image of {image}'s release "
+                           f"({tag.group('release')})", "build it with `scripts/build-image --tool` beside the "
+                           "servers' image, push it, and set TOOL_IMAGE to the same tag"))
     if params.values["TRANSFER_BACKEND"] not in TRANSFER_BACKENDS:
         out.append(Finding("unsafe", "TRANSFER_BACKEND", f"{params.values['TRANSFER_BACKEND']!r} is not a backend "
                            "the hardening covers", f"use one of {', '.join(TRANSFER_BACKENDS)}"))

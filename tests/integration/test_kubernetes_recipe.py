@@ -104,7 +104,8 @@ def test_every_value_comes_from_the_parameter_file(rendered):
     assert set(templates) == {"prefill", "decode", "gateway", "canary"}
     for component, template in templates.items():
         for container in template["spec"]["containers"]:
-            assert container["image"] in (params["IMAGE"], params["GATEWAY_IMAGE"]), (component, container["image"])
+            assert container["image"] in (params["IMAGE"], params["TOOL_IMAGE"], params["GATEWAY_IMAGE"]), \
+                (component, container["image"])
             refs = set(re.findall(r"\$\((\w+)\)", " ".join(container.get("command", []) + container.get("args", []))))
             given = {e["name"] for e in container.get("env", [])} | set(LWS_ENV)  # LWS sets these in every pod
             if any(e["configMapRef"]["name"] == config["metadata"]["name"] for e in container.get("envFrom", [])):
@@ -348,7 +349,9 @@ def run_check(tmp_path: Path, *options: str, **changes: str):
 def test_deploy_check_passes_the_shipped_parameters_which_name_the_current_build(tmp_path):
     image = re.search(r"^IMAGE=\S+/(\S+)$", PARAMS.read_text(), re.M).group(1)
     base = image.split(":")[1].split("-")[0]
-    assert image == default_tag(hardened_version(base, load_series(patches_dir(), base).revision))
+    version = hardened_version(base, load_series(patches_dir(), base).revision)
+    assert image == default_tag(version)
+    assert re.search(r"^TOOL_IMAGE=\S+/(\S+)$", PARAMS.read_text(), re.M).group(1) == default_tag(version, tool_only=True)
     result = run_check(tmp_path)
     assert result.exit_code == 0, result.output
     assert "deploy check: ok" in result.output
@@ -369,6 +372,8 @@ def test_deploy_check_passes_the_shipped_parameters_which_name_the_current_build
      "KV pool holds 32768 tokens, fewer than the context length 32790"),
     ({"DECODE_MAX_TOTAL_TOKENS": "8192"}, "KV pool holds 8192 tokens"),
     ({"IMAGE": "docker.io/lmsysorg/sglang:v0.5.23"}, "is not tagged as a hardened build"),
+    ({"TOOL_IMAGE": "registry.example.com/sglang-hardened-tool:0.5.22-hardened.15"},
+     "is not the tool image of"),
     ({"TRANSFER_BACKEND": "tcp"}, "'tcp' is not a backend the hardening covers"),
 ])
 def test_deploy_check_refuses_unsafe_parameters_with_the_rule(tmp_path, changes, finding):
@@ -383,7 +388,7 @@ def test_deploy_check_refuses_unsafe_parameters_with_the_rule(tmp_path, changes,
     # a secret put here is refused without being echoed: it belongs in the Secret
     (f"{BOOTSTRAP_TOKEN.name}=s3cret-value\n", f":1: '{BOOTSTRAP_TOKEN.name}' is not one of the recipe's parameters"),
     ("IMAGE=a\nIMAGE=b\n", "IMAGE is set twice"),
-    ("IMAGE=a\n", "no value for GATEWAY_IMAGE"),
+    ("IMAGE=a\n", "no value for TOOL_IMAGE, GATEWAY_IMAGE"),
     ("IMAGE=a\nPAGE_SIZE=64   \n", ":2: PAGE_SIZE='64   ': the ConfigMap would hold it as written"),
     ("KV_CACHE_DTYPE=auto  # the default\n", ":1: KV_CACHE_DTYPE='auto  # the default'"),
     ('IMAGE="a:0.5.23-hardened.1"\n', "write the bare value"),
