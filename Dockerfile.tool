@@ -30,13 +30,14 @@ LABEL org.opencontainers.image.title="sglang-hardened-tool" \
 
 # The tool's few dependencies (click, pyyaml, packaging, aiohttp) come from the index unless the
 # base has them (the tests' offline stand-in: --build-arg PIP_NO_INDEX=1, which pip reads from the
-# environment); the wheel itself from the context.
+# environment); the wheel itself from the context, by its file name: asked for by name with the
+# index on, pip could take a same-named, same-versioned package from the index instead.
 ARG PIP_NO_INDEX=0
 RUN --mount=type=bind,target=/wheels \
     test -n "${HARDENED_VERSION}" -a -n "${TOOL_VERSION}" \
       || { echo "pass the build args: build with scripts/build-image --tool" >&2; exit 1; } \
  && python3 -m pip install --no-cache-dir --find-links /wheels \
-      "sglang-hardened==${TOOL_VERSION}" \
+      "/wheels/sglang_hardened-${TOOL_VERSION}-py3-none-any.whl" \
  && sglang-hardened --version
 
 # Nothing here writes outside a report path it is given: any numeric user will do (runAsNonRoot).

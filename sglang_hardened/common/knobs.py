@@ -24,7 +24,8 @@ ROLES = {
     "test": "read by the test suite",
 }
 # What each type accepts (said to whoever sets something else: ``Knob.get`` refuses it, naming the
-# knob); a flag is set by 1 alone, anything else leaves it unset.
+# knob); a flag is on with 1 and off unset, empty or 0: anything else (a "true" meant to turn a
+# hardening on) is refused rather than read as off.
 TYPES = {
     "flag": "set it to 1 or leave it unset",
     "on|off": "use on or off",
@@ -79,7 +80,7 @@ class Knob:
         if isinstance(fallback, Limit):
             raise TypeError(f"{self.name}: its default is {fallback}; read it with runtime.policy.knob_value")
         raw = self.raw(environ)
-        if self.type == "flag":
+        if self.type == "flag" and (raw or "0") in ("0", "1"):
             return raw == "1"
         if raw is None:
             return fallback

@@ -37,6 +37,8 @@ PARAMS = {
 }
 INTEGERS = ("CONTEXT_LENGTH", "PREFILL_MAX_TOTAL_TOKENS", "DECODE_MAX_TOTAL_TOKENS", "PAGE_SIZE")
 TRANSFER_BACKENDS = ("mooncake", "nixl")
+# wider than this per IP version, the gateway's one way out of the namespace reaches more than an API server's
+API_CIDR_NARROW = {4: 24, 6: 64}
 UNSAFE_VALUE = re.compile(r"^\s|\s$|[#'\"]")  # kustomize's env files take the rest of the line as the value
 # scripts/build-image's tag (image/build.py default_tag), with an optional registry and digest
 HARDENED_TAG = re.compile(r":(?P<release>(?P<base>\d+\.\d+\.\d+)-hardened\.\d+)(@sha256:[0-9a-f]{64})?$")
@@ -141,9 +143,13 @@ def check(params: Params) -> list[Finding]:
         if knob.weakens and knob_value(knob, params.values) != knob_value(knob, {}):
             out.append(Finding("unsafe", key, f"{key}={params.values[key]} gives up part of {knob.id}: {knob.doc}",
                                "leave it unset in the recipe (it is for measuring, or a deliberate exception)"))
-    if ipaddress.ip_network(params.values["KUBERNETES_API_CIDR"]).prefixlen == 0:
+    api = ipaddress.ip_network(params.values["KUBERNETES_API_CIDR"])
+    if api.prefixlen == 0:
         out.append(Finding("unsafe", "KUBERNETES_API_CIDR", "the gateway may reach every address on the API "
                            "server's ports, the internet's included", "name the API server's addresses"))
+    elif api.prefixlen < API_CIDR_NARROW[api.version]:
+        out.append(Finding("warn", "KUBERNETES_API_CIDR", f"the gateway may reach {api.num_addresses} addresses on "
+                           "the API server's ports", "name the API server's addresses (a /32 each where you can)"))
     base = tag.group("base") if tag else "unknown"
     out += judge([_server(params, "prefill", base), _server(params, "decode", base)])
     return out

@@ -34,7 +34,8 @@ def pool(gateway: str, timeout: float, key: str | None = None) -> dict[str, list
         raise HardenedError(f"{url} answered {exc.code}{hint}") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise HardenedError(f"cannot read the gateway's worker pool at {url}: {exc}") from None
-    found = {role: sorted(w["url"] for w in workers if w.get("worker_type") == role) for role in ROLES}
+    found = {role: sorted(w["url"] for w in workers if w.get("worker_type") == role and isinstance(w.get("url"), str))
+             for role in ROLES}
     empty = [role for role, urls in found.items() if not urls]
     if empty:
         raise HardenedError(f"the gateway at {gateway} routes to no {' and no '.join(empty)} server: "

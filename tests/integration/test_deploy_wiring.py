@@ -257,3 +257,16 @@ def test_a_multi_node_groups_leaders_alone_serve_and_are_selected():
     for flag in ("--prefill-selector", "--decode-selector"):
         at = command.index(flag)
         assert f"{LWS_LEADER_LABEL}=0" in command[at + 1:at + 4]
+
+
+@pytest.mark.parametrize(("cidr", "severity"), [("0.0.0.0/0", "unsafe"), ("10.0.0.0/8", "warn"),
+                                                ("fd00::/48", "warn"), ("10.0.0.1/32", None)])
+def test_the_api_server_block_is_narrow(tmp_path, cidr, severity):
+    """The gateway's only way out of the namespace is the API server's block: everything is refused,
+    a block wider than a /24 (IPv6 /64) warned of, since it opens the API ports of that many hosts."""
+    status, said = check(recipe_copy(tmp_path, KUBERNETES_API_CIDR=cidr))
+    assert status == (1 if severity == "unsafe" else 0), said
+    if severity:
+        assert re.search(rf"{severity}\s+KUBERNETES_API_CIDR\s+the gateway may reach", said), said
+    else:
+        assert "the gateway may reach" not in said, said

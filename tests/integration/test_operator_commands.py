@@ -101,3 +101,29 @@ def test_sandbox_status_json_alone_or_into_a_path(tmp_path, monkeypatch):
     into = CliRunner().invoke(sandbox, ["status", "--name", "never-up", "--json", str(out)])
     assert into.exit_code == 0 and "'never-up' is not up" in into.stdout
     assert json.loads(out.read_text()) == {"running": False}
+
+
+class Pool(http.server.BaseHTTPRequestHandler):
+    """smg's `GET /workers` with an entry a newer or broken smg might send: no url."""
+
+    def do_GET(self) -> None:
+        body = {"workers": [{"worker_type": "prefill"}, {"worker_type": "prefill", "url": "http://10.0.0.1:30000"},
+                            {"worker_type": "decode", "url": "http://10.0.0.2:30000"}, {"url": None}]}
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_pool_entry_without_an_address_is_left_out_not_a_traceback():
+    from sglang_hardened.operations.gateway_pool import pool
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Pool)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        found = pool(f"http://127.0.0.1:{server.server_address[1]}", timeout=5, key="k")
+    finally:
+        server.shutdown()
+    assert found == {"prefill": ["http://10.0.0.1:30000"], "decode": ["http://10.0.0.2:30000"]}

@@ -94,7 +94,7 @@ def test_operating_md_carries_the_registry_table():
 
 @pytest.mark.parametrize(("knob", "value", "expected"), [
     (knobs.PAGE_TAGS, " OFF ", False), (knobs.PAGE_TAGS, "on", True),
-    (knobs.ALLOW_EARLY_RELEASE, "1", True), (knobs.ALLOW_EARLY_RELEASE, "true", False),
+    (knobs.ALLOW_EARLY_RELEASE, "1", True), (knobs.ALLOW_EARLY_RELEASE, "0", False),
     (knobs.HEALTH_PORT, "8080", 8080), (knobs.TRANSFER_LINK_RATE, "1e9", 1e9),
 ])
 def test_a_value_reads_as_its_type(knob, value, expected):
@@ -102,7 +102,8 @@ def test_a_value_reads_as_its_type(knob, value, expected):
 
 
 @pytest.mark.parametrize(("knob", "value"), [(knobs.PAGE_TAGS, "of"), (knobs.PAGE_TAGS_COST_EVERY, "-1"),
-                                             (knobs.TRANSFER_MAX_ENTRIES, "1k"), (knobs.TRANSFER_LINK_RATE, "fast")])
+                                             (knobs.TRANSFER_MAX_ENTRIES, "1k"), (knobs.TRANSFER_LINK_RATE, "fast"),
+                                             (knobs.PAGE_TAGS_FAIL_CLOSED, "true")])  # a typo never turns a guarantee off
 def test_a_value_its_type_refuses_stops_naming_the_knob(knob, value):
     with pytest.raises(ValueError, match=rf"{knob.name}='{re.escape(value)}': "):
         knob_value(knob, {knob.name: value})
