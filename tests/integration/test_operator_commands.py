@@ -127,3 +127,48 @@ def test_a_pool_entry_without_an_address_is_left_out_not_a_traceback():
     finally:
         server.shutdown()
     assert found == {"prefill": ["http://10.0.0.1:30000"], "decode": ["http://10.0.0.2:30000"]}
+
+
+class Loads(http.server.BaseHTTPRequestHandler):
+    """SGLang's `/v1/loads` of a server that holds `busy` more polls' worth of work, two DP ranks."""
+
+    busy = 0
+
+    def do_GET(self) -> None:
+        held = 1 if type(self).busy > 0 else 0
+        type(self).busy -= 1
+        ranks = [{"num_running_reqs": held, "num_waiting_reqs": 0, "num_used_tokens": 7 * held},
+                 {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0}]
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(json.dumps({"loads": ranks}).encode())
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def loads_url():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Loads)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_the_drain_hook_waits_for_two_idle_polls_and_gives_up_naming_what_is_held(loads_url):
+    """The recipe's preStop drain: it lets SIGTERM through only once the server held nothing on
+    two polls in a row (a request between two polls is not missed), and past its timeout raises
+    naming what is still held, rather than holding a rollout for ever; a server it cannot read
+    is an error naming its URL."""
+    from sglang_hardened.common.errors import HardenedError
+    from sglang_hardened.operations.drain import drain
+
+    Loads.busy = 3
+    waited = drain(loads_url, settle_s=0.0, timeout_s=30, poll_s=0.05)
+    assert Loads.busy == -2 and waited >= 4 * 0.05  # three busy polls, then two idle ones
+    Loads.busy = 10**6
+    with pytest.raises(HardenedError, match=r"still holds 8 requests and KV tokens after 0 s"):
+        drain(loads_url, settle_s=0.0, timeout_s=0.2, poll_s=0.05)
+    dead = f"http://127.0.0.1:{closed_port()}"
+    with pytest.raises(HardenedError, match=rf"cannot read {dead}/v1/loads"):
+        drain(dead, settle_s=0.0, timeout_s=1, poll_s=0.05)
