@@ -29,6 +29,16 @@ def check(tree, *overlays: str):
     return result.exit_code, " ".join(result.output.split())
 
 
+def judged(status: int, said: str, severity: str | None, finding: str, quiet: str) -> None:
+    """deploy check's verdict on one change: an unsafe finding exits 1, a warning alone 0 and says
+    ``finding`` (a pattern); no finding exits 0 and says nothing of ``quiet``."""
+    assert status == (1 if severity == "unsafe" else 0), said
+    if severity:
+        assert re.search(finding, said), said
+    else:
+        assert quiet not in said, said
+
+
 def edit(tree, file: str, change) -> None:
     """Change one YAML file of the copy (every document in it) with `change(docs)`."""
     path = tree / file
@@ -170,12 +180,8 @@ def test_a_multi_node_group_must_take_its_place_from_lws(tmp_path):
     (f"registry.example.com/smg:1.13.0@sha256:{'0' * 64}", None, ""),
 ])
 def test_every_image_is_pinned(tmp_path, image, severity, finding):
-    status, said = check(recipe_copy(tmp_path, GATEWAY_IMAGE=image))
-    assert status == (1 if severity == "unsafe" else 0), said
-    if severity:
-        assert re.search(rf"{severity} \S*lws gateway image '?{re.escape(image)}'? {finding}", said), said
-    else:
-        assert "warn" not in said, said
+    judged(*check(recipe_copy(tmp_path, GATEWAY_IMAGE=image)), severity,
+           rf"{severity} \S*lws gateway image '?{re.escape(image)}'? {finding}", quiet="warn")
 
 
 def test_the_hardenings_server_knobs_are_taken_in_the_parameter_file_and_a_weakening_one_refused(tmp_path):
@@ -264,9 +270,5 @@ def test_a_multi_node_groups_leaders_alone_serve_and_are_selected():
 def test_the_api_server_block_is_narrow(tmp_path, cidr, severity):
     """The gateway's only way out of the namespace is the API server's block: everything is refused,
     a block wider than a /24 (IPv6 /64) warned of, since it opens the API ports of that many hosts."""
-    status, said = check(recipe_copy(tmp_path, KUBERNETES_API_CIDR=cidr))
-    assert status == (1 if severity == "unsafe" else 0), said
-    if severity:
-        assert re.search(rf"{severity}\s+KUBERNETES_API_CIDR\s+the gateway may reach", said), said
-    else:
-        assert "the gateway may reach" not in said, said
+    judged(*check(recipe_copy(tmp_path, KUBERNETES_API_CIDR=cidr)), severity,
+           rf"{severity}\s+KUBERNETES_API_CIDR\s+the gateway may reach", quiet="the gateway may reach")

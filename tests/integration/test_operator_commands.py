@@ -103,59 +103,19 @@ def test_sandbox_status_json_alone_or_into_a_path(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == {"running": False}
 
 
-class Pool(http.server.BaseHTTPRequestHandler):
-    """smg's `GET /workers` with an entry a newer or broken smg might send: no url."""
 
-    def do_GET(self) -> None:
-        body = {"workers": [{"worker_type": "prefill"}, {"worker_type": "prefill", "url": "http://10.0.0.1:30000"},
-                            {"worker_type": "decode", "url": "http://10.0.0.2:30000"}, {"url": None}]}
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(json.dumps(body).encode())
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-def test_a_pool_entry_without_an_address_is_left_out_not_a_traceback():
+def test_a_pool_entry_without_an_address_is_left_out_not_a_traceback(http_stand_in):
+    """smg's `GET /workers` with entries a newer or broken smg might send: no url."""
     from sglang_hardened.operations.gateway_pool import pool
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Pool)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        found = pool(f"http://127.0.0.1:{server.server_address[1]}", timeout=5, key="k")
-    finally:
-        server.shutdown()
+    body = {"workers": [{"worker_type": "prefill"}, {"worker_type": "prefill", "url": "http://10.0.0.1:30000"},
+                        {"worker_type": "decode", "url": "http://10.0.0.2:30000"}, {"url": None}]}
+    gateway = http_stand_in(lambda path: (200, json.dumps(body).encode()))
+    found = pool(f"http://{gateway}", timeout=5, key="k")
     assert found == {"prefill": ["http://10.0.0.1:30000"], "decode": ["http://10.0.0.2:30000"]}
 
 
-class Loads(http.server.BaseHTTPRequestHandler):
-    """SGLang's `/v1/loads` of a server that holds `busy` more polls' worth of work, two DP ranks."""
-
-    busy = 0
-
-    def do_GET(self) -> None:
-        held = 1 if type(self).busy > 0 else 0
-        type(self).busy -= 1
-        ranks = [{"num_running_reqs": held, "num_waiting_reqs": 0, "num_used_tokens": 7 * held},
-                 {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0}]
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(json.dumps({"loads": ranks}).encode())
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-@pytest.fixture
-def loads_url():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Loads)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-
-
-def test_the_drain_hook_waits_for_two_idle_polls_and_gives_up_naming_what_is_held(loads_url):
+def test_the_drain_hook_waits_for_two_idle_polls_and_gives_up_naming_what_is_held(http_stand_in):
     """The recipe's preStop drain: it lets SIGTERM through only once the server held nothing on
     two polls in a row (a request between two polls is not missed), and past its timeout raises
     naming what is still held, rather than holding a rollout for ever; a server it cannot read
@@ -163,12 +123,21 @@ def test_the_drain_hook_waits_for_two_idle_polls_and_gives_up_naming_what_is_hel
     from sglang_hardened.common.errors import HardenedError
     from sglang_hardened.operations.drain import drain
 
-    Loads.busy = 3
-    waited = drain(loads_url, settle_s=0.0, timeout_s=30, poll_s=0.05)
-    assert Loads.busy == -2 and waited >= 4 * 0.05  # three busy polls, then two idle ones
-    Loads.busy = 10**6
+    busy = [3]  # polls' worth of work the server still holds
+
+    def loads(path: str) -> tuple[int, bytes]:  # SGLang's /v1/loads, two DP ranks
+        held = 1 if busy[0] > 0 else 0
+        busy[0] -= 1
+        ranks = [{"num_running_reqs": held, "num_waiting_reqs": 0, "num_used_tokens": 7 * held},
+                 {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0}]
+        return 200, json.dumps({"loads": ranks}).encode()
+
+    server = f"http://{http_stand_in(loads)}"
+    waited = drain(server, settle_s=0.0, timeout_s=30, poll_s=0.05)
+    assert busy == [-2] and waited >= 4 * 0.05  # three busy polls, then two idle ones
+    busy[0] = 10**6
     with pytest.raises(HardenedError, match=r"still holds 8 requests and KV tokens after 0 s"):
-        drain(loads_url, settle_s=0.0, timeout_s=0.2, poll_s=0.05)
+        drain(server, settle_s=0.0, timeout_s=0.2, poll_s=0.05)
     dead = f"http://127.0.0.1:{closed_port()}"
     with pytest.raises(HardenedError, match=rf"cannot read {dead}/v1/loads"):
         drain(dead, settle_s=0.0, timeout_s=1, poll_s=0.05)
