@@ -454,14 +454,23 @@ def spawn(name: str, cmd: list[str], env: dict[str, str], run_dir: Path, append:
 
 
 def _alive(pid: int) -> bool:
+    return _ended(pid) is None
+
+
+def _ended(pid: int) -> str | None:
+    """None while ``pid`` runs; else how it ended ("exit code 3", "killed by SIGKILL"), as far as
+    this process can tell: only a child's code is ours to read (reading it reaps the child), so
+    one we did not start (``sandbox status``) or reaped before just "exited"."""
     try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return False
+            code = os.waitstatus_to_exitcode(status)
+            return f"exit code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
     except ChildProcessError:
-        pass  # not our child (e.g. ``sandbox status``): fall back to /proc
+        pass  # not our child: fall back to /proc
     stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and not stat.read_text().split(") ", 1)[1].startswith("Z")
+    alive = stat.exists() and not stat.read_text().split(") ", 1)[1].startswith("Z")
+    return None if alive else "exited"
 
 
 def healthy(url: str) -> bool:
@@ -629,14 +638,21 @@ def _in_its_mode(cluster: Cluster) -> None:
 
 
 def wait_ready(cluster: Cluster, names: list[str], deadline: float, ready: Callable[[str], bool]) -> None:
+    """Until every server of ``names`` is ``ready``. Any process of the cluster that exits meanwhile
+    fails the wait, named with its exit code and log: a restart must not read as the restarted
+    server's failure when another one died."""
     pending = list(names)
     while pending:
         for proc in cluster.procs.values():  # every server so far, not only those awaited
             # a lost port race first: uvicorn may linger after it, or exit at once
             if lost_port_race(cluster.log_tail(proc.name, 20)):
                 raise PortRace(f"{proc.name} could not bind its port\n{cluster.log_tails()}")
-            if not _alive(proc.pid):
-                raise SandboxError(f"{proc.name} exited during start-up\n{cluster.log_tails()}")
+        ended = {proc.name: (how, proc.log) for proc in cluster.procs.values() if (how := _ended(proc.pid))}
+        if ended:
+            meanwhile = f"while {', '.join(names)} started"
+            raise SandboxError("; ".join(
+                f"{name} exited {'during start-up' if name in names else meanwhile} ({how}; its log: {log})"
+                for name, (how, log) in ended.items()) + f"\n{cluster.log_tails()}")
         for name in list(pending):
             if ready(cluster.procs[name].url):
                 pending.remove(name)
