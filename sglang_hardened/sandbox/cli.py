@@ -84,12 +84,15 @@ def sandbox() -> None:
 @click.option("--prefill-limit", "prefill_limits", type=int, multiple=True,
               help="Each prefill's KV pool tokens, its context length at most that, in order (repeat once per "
                    "prefill; default: --prefill-pool-tokens and --context-length).")
+@click.option("--prefill-context", "prefill_contexts", type=int, multiple=True,
+              help="Each prefill's context length, in order, whatever its pool (repeat once per prefill): a "
+                   "lower input limit on one prefill, as --allow-auto-truncate then truncates to.")
 def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, backend: str, lb: str, prefill_pool_tokens: int,
        decode_pool_tokens: int, context_length: int, decode_context_length: int | None, page_size: int, chunked_prefill_size: int | None,
        waiting_timeout: int, extra_flags: tuple[str, ...], extra_env: tuple[str, ...], via_launch: bool,
        overlay: Path | None, instrument: bool, tp: int, decode_tp: int | None, dp: int, inflight: bool,
        model: str | None, prefills: int, decodes: int, prefill_limits: tuple[int, ...],
-       prefill_pp: int) -> None:
+       prefill_contexts: tuple[int, ...], prefill_pp: int) -> None:
     """Build the environment if needed and start a cluster.
 
     \b
@@ -102,6 +105,8 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, ba
       sglang-hardened sandbox up --base 0.5.23 --hardened --tp 2 --dp 2 --prefill-pool-tokens 2048
       sglang-hardened sandbox up --base 0.5.23 --hardened --prefills 2 --decodes 2 --lb smg
       sglang-hardened sandbox up --base 0.5.23 --hardened --prefills 2 --prefill-limit 600 --prefill-limit 1024
+      sglang-hardened sandbox up --base 0.5.23 --prefills 2 --prefill-pool-tokens 1024 --prefill-context 1024 \
+        --prefill-context 512 --extra-flag=--allow-auto-truncate
       sglang-hardened sandbox up --base 0.5.23 --model deepseek --page-size 64 --inflight --instrument
       sglang-hardened sandbox up --base 0.5.23 --model deepseek --page-size 64 --prefill-pp 2
     """
@@ -116,6 +121,7 @@ def up(name: str, base: str, upstream: bool, wheel: Path | None, python: str, ba
                                waiting_timeout_s=waiting_timeout, extra_flags=extra_flags, extra_env=extra_env,
                                lb=lb, via_launch=via_launch, instrument=instrument, tp=tp, decode_tp=decode_tp, dp=dp,
                                prefills=prefills, decodes=decodes, prefill_limits=prefill_limits,
+                               prefill_contexts=prefill_contexts,
                                inflight_s=INFLIGHT_S if inflight else 0.0, prefill_pp=prefill_pp)
         params.validate()
         if via_launch and (upstream or wheel):

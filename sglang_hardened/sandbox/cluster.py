@@ -90,6 +90,10 @@ class ClusterParams:
     decodes: int = 1  # decode servers, likewise
     # each prefill's KV pool tokens, its context length at most that (empty: prefill_pool_tokens for every one)
     prefill_limits: tuple[int, ...] = ()
+    # each prefill's context length (empty: as above): a lower input limit over a pool that still holds
+    # the prompt it keeps, so an over-limit prompt it truncates is served (a pool no larger than the
+    # context leaves no room for the truncated prompt's last page)
+    prefill_contexts: tuple[int, ...] = ()
     # each forward's result reaches the scheduler this long after the forward returns (the overlay's
     # sgl_inflight: a GPU batch still running while the overlap loop goes on); 0: at once, as on CPU
     inflight_s: float = 0.0
@@ -124,6 +128,9 @@ class ClusterParams:
                                f"and {self.decodes} decodes")
         if self.prefill_limits and (len(self.prefill_limits) != self.prefills or min(self.prefill_limits) < 1):
             raise SandboxError(f"prefill limits {list(self.prefill_limits)} must be one positive pool size per "
+                               f"prefill ({self.prefills})")
+        if self.prefill_contexts and (len(self.prefill_contexts) != self.prefills or min(self.prefill_contexts) < 1):
+            raise SandboxError(f"prefill contexts {list(self.prefill_contexts)} must be one positive length per "
                                f"prefill ({self.prefills})")
         if self.inflight_s < 0:
             raise SandboxError(f"the in-flight delay must be 0 (off) or more, not {self.inflight_s}")
@@ -241,7 +248,8 @@ class Cluster:
     @classmethod
     def from_json(cls, data: dict) -> Cluster:
         params = ClusterParams(**{**data["params"], **{k: tuple(data["params"].get(k, ()))
-                                                       for k in ("extra_flags", "extra_env", "prefill_limits")}})
+                                                       for k in ("extra_flags", "extra_env", "prefill_limits",
+                                                                 "prefill_contexts")}})
         envs = {n: SandboxEnv(e["base"], Path(e["python"]), tuple(map(Path, e["path"]))) for n, e in data.get("envs", {}).items()}
         return cls(params, data["run_id"], Path(data["run_dir"]),
                    {n: Proc(**p) for n, p in data["procs"].items()},

@@ -47,9 +47,11 @@ def server_specs(p: ClusterParams) -> list[ServerSpec]:
     server's of its role (the others' are picked free: one port cannot serve two). A prefill given
     a limit of its own runs a pool of that size and a context length no longer than it, as an
     operator sizes a smaller prefill: its input limit is lower, and a hardened prefill starts (H7's
-    start-up check) so that decode's check across roles is what meets it."""
+    start-up check) so that decode's check across roles is what meets it. A prefill given a context
+    length of its own runs that, whatever its pool."""
     pools = p.prefill_limits or (p.prefill_pool_tokens,) * p.prefills
-    contexts = [min(p.context_length, pool) for pool in p.prefill_limits] or [p.context_length] * p.prefills
+    contexts = (list(p.prefill_contexts) or [min(p.context_length, pool) for pool in p.prefill_limits]
+                or [p.context_length] * p.prefills)
     prefills = [ServerSpec(name, "prefill", pool, context, p.prefill_port if i == 0 else 0)
                 for i, (name, pool, context) in enumerate(zip(server_names("prefill", p.prefills), pools, contexts))]
     return prefills + [ServerSpec(name, "decode", p.decode_pool_tokens, p.decode_context_length or p.context_length,

@@ -195,6 +195,15 @@ def via_pair(cluster: Cluster, prefill: str, decode: str) -> Callable[[str], Rep
     return lambda prompt: observe_pair(cluster, prompt, prefill, decode)[1]
 
 
+def tenants_apart(cluster: Cluster, prefill: str = "prefill-1", decode: str = "decode-1") -> Callable[[str], Reply]:
+    """A balancer's choices for the incident across instances: every probe through ``prefill`` and
+    ``decode``, tenant A's history through another prefill and the same decode. The pages a probe
+    is given on ``decode`` last held the KV another prefill wrote there for another tenant."""
+    other = next(name for name in cluster.servers("prefill") if name != prefill)
+    history, probes = via_pair(cluster, other, decode), via_pair(cluster, prefill, decode)
+    return lambda prompt: (history if prompt in TENANT_A.values() else probes)(prompt)
+
+
 def observe_oversized_via_lb(cluster: Cluster) -> TimeoutObservation:
     at_prefill = generate(cluster.prefill_url, OVERSIZED_B, extra=bootstrap_fields(cluster), timeout=60)
     via_lb = cluster.generate(OVERSIZED_B, timeout=cluster.params.waiting_timeout_s * 4 + 60)

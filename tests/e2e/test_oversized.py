@@ -45,6 +45,7 @@ from .scenarios import (
     observe_probes,
     replies,
     shows_nothing_decoded,
+    tenants_apart,
     trunc_params,
     wait_pages_idle,
 )
@@ -119,14 +120,17 @@ def test_upstream_truncation_with_unequal_limits_reads_other_tenants_kv(start_cl
 
 def upstream_truncation(start_cluster, base: str, backend: str, ledger_dir, page_size: int = 16,
                         extra: dict[str, str] | None = None, model: str = "tiny",
-                        layout: dict | None = None) -> dict[str, Verdict]:
+                        layout: dict | None = None, pair: tuple[str, str] | None = None) -> dict[str, Verdict]:
     """The upstream truncation scenario at ``page_size`` on ``model`` (one cluster start, ranks as
     ``layout`` says: tp, dp, prefill_pp, or other cluster parameters); ``extra`` probes run beside it, all answered 200, their
-    verdicts returned for the caller to judge."""
+    verdicts returned for the caller to judge. ``pair`` (a prefill's and a decode's name) sends
+    the probes there, and tenant A's history through another prefill (``tenants_apart``),
+    which then serves the same prompts whole; else all goes through the cluster's balancer."""
     cluster = start_cluster(sandbox_env(base), model, backend=backend, **(trunc_params(page_size) | (layout or {})),
                             extra_env=(f"{writer.DIR_ENV}={ledger_dir}",))
     with phase(f"scenario truncation {base} upstream {backend} page {page_size}"):
-        v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE, **(extra or {})})
+        v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE, **(extra or {})},
+                           pair and tenants_apart(cluster, *pair))
     print({name: {label: v[name].outputs(label) for label in v[name].replies} for name in v})
     assert all(r.status == 200 for name in v for r in replies(v[name]))
     assert v["pages_apart"].leaked
@@ -134,7 +138,22 @@ def upstream_truncation(start_cluster, base: str, backend: str, ledger_dir, page
     past_prefill = list(range(TRUNC_PREFILL_TOKENS, SAME_PAGE_TOKENS))  # in the page prefill sent whole
     assert same_page and all([r.position for r in reads] == past_prefill and None not in [r.slot for r in reads]
                              for reads in same_page), same_page
+    if pair:
+        other_prefills_serve_it_whole(cluster, ledger_dir, pair[0])
     return v
+
+
+def other_prefills_serve_it_whole(cluster, ledger_dir, prefill: str) -> None:
+    """The truncation scenario's prompts through every prefill but ``prefill`` and each decode:
+    answered 200, and every position decode attends to holds KV that prefill wrote for the
+    request (the page ledger), where ``prefill``'s lower limit cut them short."""
+    since = time.monotonic()  # the ledger's clock
+    pairs = [(p, d) for p in cluster.servers("prefill") if p != prefill for d in cluster.servers("decode")]
+    answers = [observe_pair(cluster, prompt, p, d)[1] for p, d in pairs for prompt in (OVERSIZED_B, SAME_PAGE)]
+    assert all(a.status == 200 for a in answers), answers
+    ledger = Ledger(ledger_dir)
+    rooms = {e["room"] for e in ledger.of("expose") if e["t"] > since}
+    assert len(rooms) == len(answers) and not [r for room in rooms for r in ledger.unowned_reads(room)], rooms
 
 
 def unowned_reads(ledger_dir, tokens: int) -> list[list]:
@@ -160,37 +179,43 @@ def test_hardened_truncation_with_unequal_limits_is_refused(start_cluster, base,
 
 def hardened_truncation(start_cluster, base: str, backend: str, ledger_dir, page_size: int = 16,
                         extra: dict[str, str] | None = None, model: str = "tiny",
-                        layout: dict | None = None) -> dict[str, Verdict]:
+                        layout: dict | None = None, pair: tuple[str, str] | None = None) -> dict[str, Verdict]:
     """The hardened truncation scenario at ``page_size`` on ``model`` (one cluster start, ranks as
     ``layout`` says); ``extra`` probes run beside it, their verdicts returned for the caller to
-    judge (pages are idle after)."""
+    judge (pages are idle after). ``pair`` as ``upstream_truncation``'s: the refusals are that
+    pair's, and the other prefills serve the prompts whole."""
     cluster = start_cluster(sandbox_env(base, hardened=True), model, backend=backend,
                             **(trunc_params(page_size) | (layout or {})),
                             extra_env=(*DEPTH["extra_env"], f"{writer.DIR_ENV}={ledger_dir}"))
     idle = cluster.used_tokens()
     sent = f"prefill sends {-(-TRUNC_PREFILL_TOKENS // page_size)}"  # pages prefill's 506 tokens fill
+    prefill, decode = pair or ("prefill", "decode")
     with phase(f"scenario truncation {base} hardened {backend} page {page_size}"):
         v = observe_probes(cluster, {"pages_apart": OVERSIZED_B, "same_page": SAME_PAGE,
-                                     "control": FITTING_C, **(extra or {})})
+                                     "control": FITTING_C, **(extra or {})}, pair and tenants_apart(cluster, *pair))
     # Pages apart, decode learns of the failed transfer from prefill (by status, or H4's
     # note of prefill's error, whichever comes first); in one page, from its own check.
     assert all(r.status == 500 for r in replies(v["pages_apart"])), v["pages_apart"].replies
     if backend == "mooncake":  # the sender's own check (Mooncake's transfer worker) fired, and its reason
         # reaches the client and decode's log (finding 21.11: they read "prefill might be dead")
-        assert sent in cluster.log_tail("prefill", 2000)
+        assert sent in cluster.log_tail(prefill, 2000)
         # across decode ranks the client reads rank 0's message, which may be upstream's "unknown
         # reason from another rank" when another rank heard the sender (MLA, TP 2); decode's log
         # names it (below), and nothing is decoded
         named = [r for r in replies(v["pages_apart"]) if "sglang-hardened H3" in r.body and f"but {sent}" in r.body]
-        assert named == replies(v["pages_apart"]) or layout, v["pages_apart"].replies
+        several_ranks = max(cluster.params.role_ranks(role) for role in ("prefill", "decode")) > 1
+        assert named == replies(v["pages_apart"]) or several_ranks, v["pages_apart"].replies
         assert shows_nothing_decoded(v["pages_apart"]), v["pages_apart"].replies
-        decode_log = cluster.log_tail("decode", 2000)
+        decode_log = cluster.log_tail(decode, 2000)
         assert f"but {sent}" in decode_log and "might be dead" not in decode_log
     assert all(r.status == 500 and "sglang-hardened H3" in r.body for r in replies(v["same_page"])), v["same_page"].replies
     assert any(reads and reads[0].position == TRUNC_PREFILL_TOKENS for reads in unowned_reads(ledger_dir, SAME_PAGE_TOKENS))
     assert all(r.status == 200 for r in replies(v["control"])) and not v["control"].leaked
     assert wait_pages_idle(cluster, idle) == idle
-    assert "holds the prompt as 509 tokens" in cluster.log_tail("decode", 2000)
+    assert "holds the prompt as 509 tokens" in cluster.log_tail(decode, 2000)
+    if pair:
+        other_prefills_serve_it_whole(cluster, ledger_dir, prefill)
+        assert wait_pages_idle(cluster, idle) == idle
     return v
 
 

@@ -23,21 +23,20 @@ import json
 import re
 import signal
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from sglang_hardened.operations.oracle import Reply, generate
+from sglang_hardened.operations.oracle import generate
 from sglang_hardened.sandbox.cluster import LBS
 from sglang_hardened.sandbox.instruments import SLOW_S
 from sglang_hardened.sandbox.ledger import Ledger, writer
 
 from .conftest import restart, sandbox_env
 from .inflight import InFlight, send_all_mid_transfer
-from .scenarios import (DEPTH, FITTING_C, FULL_MATRIX, LEAK_PARAMS, METRICS_FLAGS, OVERSIZED_B, SLOW_PROMPT, TENANT_A,
-                        hardened_metric, observe_pair, observe_probes, prompt_of, shows_nothing_decoded, via_pair,
-                        wait_pages_idle)
+from .scenarios import (DEPTH, FITTING_C, FULL_MATRIX, LEAK_PARAMS, METRICS_FLAGS, OVERSIZED_B, SLOW_PROMPT,
+                        hardened_metric, observe_pair, observe_probes, prompt_of, shows_nothing_decoded, tenants_apart,
+                        via_pair, wait_pages_idle)
 from .scenarios import replies as replies_of
 from .test_fault_matrix import LOST_PEER_S, PARAMS, RELEASE_TIMEOUT_S, Build, FaultCluster, _report, on, start_fault_cluster
 
@@ -93,14 +92,6 @@ def test_hardened_decodes_refuse_only_the_smaller_prefill_and_name_it(start_clus
 
 
 # --- the incident across instances (full tier) ------------------------------------------------
-
-def tenants_apart(cluster) -> Callable[[str], Reply]:
-    """A balancer's choices for the incident: tenant A's requests through prefill and decode-1,
-    every other through prefill-1 and decode-1. The pages B is given on decode-1 last held the
-    KV another prefill wrote there for another tenant."""
-    history, other = via_pair(cluster, "prefill", "decode-1"), via_pair(cluster, "prefill-1", "decode-1")
-    return lambda prompt: (history if prompt in TENANT_A.values() else other)(prompt)
-
 
 @pytest.mark.parametrize("hardened", [False, True], ids=["upstream", "hardened"])
 def test_0519_incident_across_instances(start_cluster, tmp_path, hardened):

@@ -36,6 +36,11 @@ def test_each_prefill_gets_its_own_limit_and_only_the_first_server_the_port_aske
         ("decode", "decode", 4096, 1024, 0), ("decode-1", "decode", 4096, 1024, 0)]
 
 
+def test_a_prefill_given_a_context_runs_it_over_its_pool():
+    specs = ClusterParams(base="0.5.23", prefills=2, prefill_pool_tokens=1024, prefill_contexts=(1024, 512)).specs()
+    assert [(s.pool_tokens, s.context_length) for s in specs if s.role == "prefill"] == [(1024, 1024), (1024, 512)]
+
+
 def test_without_limits_every_prefill_runs_the_shared_pool_and_context():
     # the incident's layout (a pool below the context) stays expressible on every prefill
     specs = ClusterParams(base="0.5.23", prefills=3, decode_context_length=2048).specs()
@@ -46,7 +51,8 @@ def test_without_limits_every_prefill_runs_the_shared_pool_and_context():
 @pytest.mark.parametrize("params, words", [
     (dict(prefills=0), "at least one server per role"), (dict(decodes=0), "at least one server per role"),
     (dict(prefills=2, prefill_limits=(256,)), "one positive pool size per prefill"),
-    (dict(prefills=2, prefill_limits=(256, 0)), "one positive pool size per prefill")])
+    (dict(prefills=2, prefill_limits=(256, 0)), "one positive pool size per prefill"),
+    (dict(prefills=2, prefill_contexts=(512,)), "one positive length per prefill")])
 def test_a_replica_layout_that_cannot_run_is_refused(params, words):
     with pytest.raises(SandboxError, match=words):
         ClusterParams(base="0.5.23", **params).validate()
