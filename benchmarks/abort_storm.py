@@ -1,7 +1,8 @@
 """H5 under an abort storm, on a cluster bench_serving_ab.py has started: capacity while clients
 hang up mid-request and the hardened build holds their pages until every write into them ends.
 
-For each abort share: --storm-requests requests of about --storm-tokens tokens at
+For each abort share: --storm-requests requests of exactly --storm-tokens tokens (prefill's
+/tokenize cuts each to length, as the soak's and the canary's prompts) at
 --storm-concurrency through the load balancer, the same seeded schedule for every arm of a
 pair; each request's client hangs up, with the share's probability, between HANG_UP_S after
 sending (while prefill computes or the transfer runs, on the CPU rig). What the requests the
@@ -18,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from stats import quantile  # benchmarks/ is on sys.path when run as a script
 
-from sglang_hardened.operations.filler import filler, tokens_per_word
+from sglang_hardened.operations.filler import Counter, Draft, WordCosts, counter, sized
 from sglang_hardened.sandbox.cluster import Cluster
 from sglang_hardened.sandbox.soak.catalogue import Catalogue, Prompt
 from sglang_hardened.sandbox.soak.plan import Step
@@ -29,12 +30,12 @@ TIMEOUT_S = 120.0
 METRICS = (("req_s", "req/s, stayed"), ("p99_s", "p99 s, stayed"))  # the first higher-is-better
 
 
-def catalogue(cluster: Cluster, requests: int, tokens: int, seed: int) -> Catalogue:
-    """One prompt of about ``tokens`` tokens per request, drawn with ``seed``; answers of 16-64 tokens."""
-    per_word = tokens_per_word(lambda text: cluster.generate(text, 1))
+def catalogue(count: Counter, requests: int, tokens: int, seed: int) -> Catalogue:
+    """One prompt of ``tokens`` tokens by ``count`` (prefill's tokenizer) per request, drawn
+    with ``seed``; answers of 16-64 tokens."""
+    texts = sized(count, WordCosts.measure(count), [Draft(tokens, f"{seed}/storm/{i}") for i in range(requests)])
     rng = random.Random(f"{seed}/storm")
-    return Catalogue([Prompt(filler(per_word, tokens, f"{seed}/storm/{i}"), tokens, rng.randint(16, 64))
-                      for i in range(requests)], [], [], {})
+    return Catalogue([Prompt(t.text, t.tokens, rng.randint(16, 64)) for t in texts], [], [], {})
 
 
 def storm(lb_url: str, cat: Catalogue, concurrency: int, share: float, seed: int) -> dict:
@@ -63,7 +64,7 @@ def storm(lb_url: str, cat: Catalogue, concurrency: int, share: float, seed: int
 
 def storms(cluster: Cluster, shares: list[int], requests: int, concurrency: int, tokens: int, seed: int) -> list[dict]:
     """Every share's storm on one cluster, then the check that it still serves."""
-    cat = catalogue(cluster, requests, tokens, seed)
+    cat = catalogue(counter(cluster.prefill_url, TIMEOUT_S), requests, tokens, seed)
     found = [storm(cluster.lb_url, cat, concurrency, share / 100, seed) for share in shares]
     after = cluster.generate(cat.fitting[0].text, 4, timeout=60)
     if after.status != 200:

@@ -28,14 +28,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from ..common.errors import HardenedError
-from .filler import filler, tokens_per_word
+from .filler import Draft, WordCosts, counter, sized
 from .oracle import Reply, Verdict, differential_check, generate
 
 CANARY_HEX = 8  # hex digits of a canary: unique per run, and short enough for an answer to repeat
-# checks that fail when the canary could not judge (exit 3, not 1): no answer, or the probe cut short
+# checks that fail when the canary could not judge (exit 3, not 1): no token counts, no answer,
+# or the probe cut short
+SIZED = "prompts sized by the server's /tokenize"
 ANSWERS = "the deployment answers"
 FINISHED = "probe finished"
-UNFINISHED = (ANSWERS, FINISHED)
+UNFINISHED = (SIZED, ANSWERS, FINISHED)
+FITTING_PROBE = 64  # tokens of the probe that fits (or the tenants' length, if shorter)
 PROGRESS_EVERY = 10  # requests between progress lines: a CronJob's log shows a slow probe moving
 
 
@@ -62,7 +65,7 @@ class Plan:
 
     @property
     def requests_needed(self) -> int:
-        return 1 + 2 * self.rounds * self.tenants * (self.repeats + 1)  # calibration, then two probes
+        return 1 + 2 * self.rounds * self.tenants * (self.repeats + 1)  # one answered first, then two probes
 
 
 @dataclass(frozen=True)
@@ -124,46 +127,63 @@ class _Sender:
         return reply
 
 
-def _tenant_prompt(per_word: float, tokens: int, tenant: str, canary: str) -> str:
+def _tenant_draft(tokens: int, tenant: str, canary: str) -> Draft:
     """The canary first, then filler of the tenant's own (drawn with the canary as seed, so every
     page a leak could expose differs between tenants) and a request to repeat it: a model that
     copies its prompt answers with the canary."""
-    return f"{tenant}'s secret is {canary}.{filler(per_word, tokens, canary)}. Repeat {tenant}'s secret: "
+    return Draft(tokens, canary, f"{tenant}'s secret is {canary}.", f". Repeat {tenant}'s secret: ")
 
 
-def run_canary(url: str, plan: Plan, progress: Callable[[str], None] = lambda line: None) -> CanaryReport:
+def run_canary(url: str, plan: Plan, progress: Callable[[str], None] = lambda line: None,
+               tokenize_url: str | None = None) -> CanaryReport:
     """Probe the deployment behind ``url`` (an LB) and judge it, saying how far it is through
-    ``progress``; never raises on a finding."""
+    ``progress``; never raises on a finding. Every prompt is cut to its exact length by the
+    ``/tokenize`` of the SGLang server at ``tokenize_url`` (default ``url``: a gateway that
+    serves no ``/tokenize`` leaves the probe unjudged, naming it)."""
     plan.validate()
     start = time.monotonic()
     send = _Sender(url.rstrip("/"), plan, progress)
     report = CanaryReport(url)
-    try:
-        per_word = tokens_per_word(send)
-    except HardenedError as exc:  # what a CronJob sees when the gate has closed the gateway
-        report.checks.append(Check(ANSWERS, False, str(exc)))
-        report.requests, report.seconds = len(send.sent), time.monotonic() - start
-        return report
     canaries = {f"tenant-{i}": f"CANARY-{uuid.uuid4().hex[:CANARY_HEX]}" for i in range(plan.tenants)}
     tenant_tokens = max(8, min(plan.pool_tokens, plan.context_length) * 7 // 10)
-    histories = {t: [_tenant_prompt(per_word, tenant_tokens, t, c)] * plan.repeats for t, c in canaries.items()}
     # over the pool, and inside the context where the pool is the smaller (the incident's case)
     over_pool = plan.pool_tokens + max(16, (plan.context_length - plan.pool_tokens) // 2)
-    probes = {"over-pool": filler(per_word, over_pool, "probe"), "fitting": filler(per_word, min(64, tenant_tokens), "probe")}
+    count = counter(tokenize_url or url, plan.request_timeout_s)
+    step = SIZED
     try:
-        verdicts = {name: differential_check(send, p, histories, plan.rounds) for name, p in probes.items()}
+        *tenants, over, fitting = sized(count, WordCosts.measure(count), [
+            *(_tenant_draft(tenant_tokens, t, c) for t, c in canaries.items()),
+            Draft(over_pool, "probe"), Draft(min(FITTING_PROBE, tenant_tokens), "probe")])
+        step = ANSWERS
+        _answers(send, fitting.text)
+    except HardenedError as exc:  # no SGLang /tokenize there; the gate has closed the gateway
+        report.checks.append(Check(step, False, str(exc)))
+        report.requests, report.seconds = len(send.sent), time.monotonic() - start
+        return report
+    histories = {t: [p.text] * plan.repeats for t, p in zip(canaries, tenants)}
+    try:
+        verdicts = {name: differential_check(send, probe.text, histories, plan.rounds)
+                    for name, probe in (("over-pool", over), ("fitting", fitting))}
     except HardenedError as exc:  # the budget spent, or the deployment stopped answering
         report.checks.append(Check(FINISHED, False, str(exc)))
         verdicts = {}
     report.checks.append(_cross_tenant(send.sent, canaries))
     if verdicts:
-        over = [r for rs in verdicts["over-pool"].replies.values() for r in rs]
-        statuses = sorted({r.status for r in over})
-        report.checks.append(Check(f"over-pool prompt (~{over_pool} tokens) refused", all(400 <= s < 500 for s in statuses),
+        replies = [r for rs in verdicts["over-pool"].replies.values() for r in rs]
+        statuses = sorted({r.status for r in replies})
+        report.checks.append(Check(f"over-pool prompt ({over.tokens} tokens) refused", all(400 <= s < 500 for s in statuses),
                                    f"HTTP {', '.join(map(str, statuses))} (must be 4xx)"))
         report.checks += [_independent(name, verdict) for name, verdict in verdicts.items()]
     report.requests, report.seconds = len(send.sent), time.monotonic() - start
     return report
+
+
+def _answers(send: _Sender, prompt: str) -> None:
+    """A prompt that fits must get a 200 before anything is judged: a gateway with no server
+    behind it (503) would otherwise fail the over-pool check as if it had answered."""
+    reply = send(prompt)
+    if reply.status != 200:
+        raise HardenedError(f"{send.url} answered a prompt that fits with HTTP {reply.status}: {reply.body[:300]}")
 
 
 def _independent(name: str, verdict: Verdict) -> Check:

@@ -64,6 +64,8 @@ def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], gateway: str | 
 
 @click.command("canary")
 @click.option("--url", required=True, help="The deployment's load balancer.")
+@click.option("--tokenize-url", help="An SGLang server of the deployment (a prefill) whose /tokenize cuts every "
+                                     "prompt to its exact length [default: --url; a gateway may not serve it].")
 @click.option("--pool-tokens", type=int, required=True, help="Prefill KV pool size in tokens (preflight shows it).")
 @click.option("--context-length", type=int, required=True, help="The nodes' context length (preflight shows it).")
 @click.option("--tenants", type=int, default=2, show_default=True)
@@ -74,7 +76,7 @@ def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], gateway: str | 
 @click.option("--max-requests", type=int, default=80, show_default=True)
 @click.option("--time-budget", type=float, default=600.0, show_default=True, help="Seconds for the whole probe.")
 @json_option("The report")
-def canary(url: str, pool_tokens: int, context_length: int, tenants: int, repeats: int, rounds: int,
+def canary(url: str, tokenize_url: str | None, pool_tokens: int, context_length: int, tenants: int, repeats: int, rounds: int,
            max_requests: int, time_budget: float, json_to: str | None) -> None:
     """Probe a deployment through its LB for cross-tenant leaks; exit 1 on failure, 3 when the
     deployment did not answer (nothing judged).
@@ -85,15 +87,19 @@ def canary(url: str, pool_tokens: int, context_length: int, tenants: int, repeat
     answers could not fail (a model that never repeats its own canary,
     probes that were all refused) shows n/a and does not count.
 
+    Every prompt is cut to its exact length by an SGLang server's /tokenize;
+    a server that does not count them leaves the probe unjudged (exit 3).
+
     \b
     Example:
-      sglang-hardened canary --url http://10.0.0.9:8000 --pool-tokens 65536 --context-length 32768 --json canary.json
+      sglang-hardened canary --url http://10.0.0.9:8000 --tokenize-url http://10.0.0.1:30000 \\
+        --pool-tokens 65536 --context-length 32768 --json canary.json
     """
     from .canary import Plan, run_canary
 
     plan = Plan(pool_tokens, context_length, tenants, repeats, rounds, max_requests=max_requests,
                 time_budget_s=time_budget)
-    report = run_canary(url, plan, progress=lambda line: click.echo(line, err=True))
+    report = run_canary(url, plan, progress=lambda line: click.echo(line, err=True), tokenize_url=tokenize_url)
     say(format_table(("check", "result", "detail"), [(c.name, c.result, c.detail[:100]) for c in report.checks]),
         json_to)
     say(f"\ncanary: {'ok' if report.ok else 'FAILED'} ({report.requests} requests, {report.seconds:.0f} s)", json_to)

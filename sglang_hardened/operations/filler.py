@@ -1,44 +1,62 @@
-"""Prompt text of a given number of tokens, for any tokenizer, without loading the tokenizer:
-words drawn with a seed, their token cost measured once by the server. ``filler`` aims at the
-length with the words' average cost (one calibration request, through any load balancer);
-``WordCosts`` hits it exactly where a server's ``/tokenize`` counts each word (a byte-level
-BPE's words cost from one token to six, so an average overshoots on a dear draw)."""
+"""Prompt text of an exact number of tokens, as an SGLang server's own tokenizer counts it: the
+one way the soak, the canary and the abort-storm benchmark size their prompts.
+
+Words are drawn with a seed; what each costs is counted once by the server's ``POST /tokenize``
+(every base serves it, and counts a text as ``/generate`` does), each prompt is drawn to its
+length from those costs, then counted whole, and loses words from its end while it counts over.
+A byte-level BPE prices these words from one token to six, so the words' average cost, which
+these tools once sized by, overshot a limit or a page's end on a dear draw. There is no estimate
+to fall back to: a server that does not answer a count per text is an error that names it.
+"""
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Mapping
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..common.errors import HardenedError
-from .oracle import Reply
 
-# the words every filler is drawn from; what they cost in tokens is measured first
+# the words every filler is drawn from; what they cost in tokens is counted first
 WORDS = ("the", "key", "of", "page", "door", "tree", "lamp", "book", "road", "hand", "water", "light", "house", "river")
-CALIBRATION_ROUNDS = 4  # the calibration prompt is WORDS this many times over
-
-
-def filler(tokens_per_word: float, tokens: int, seed: str) -> str:
-    """About ``tokens`` tokens of WORDS, drawn with ``seed``: the same text for the same seed."""
-    rng = random.Random(seed)
-    return "".join(f" {rng.choice(WORDS)}" for _ in range(max(1, round(tokens / tokens_per_word))))
-
-
-def prompt_tokens(reply: Reply) -> int:
-    """The prompt's token count a /generate answer reports."""
-    try:
-        return int(json.loads(reply.body)["meta_info"]["prompt_tokens"])
-    except (ValueError, KeyError, TypeError):
-        raise HardenedError(f"calibration request failed (HTTP {reply.status}): {reply.body[:300]}") from None
-
-
-def tokens_per_word(send: Callable[[str], Reply]) -> float:
-    """What one of WORDS costs in tokens on the server behind ``send`` (one request)."""
-    return prompt_tokens(send(" ".join(WORDS * CALIBRATION_ROUNDS))) / (len(WORDS) * CALIBRATION_ROUNDS)
-
+FIT_TRIES = 8  # counts a batch may take to come down to its lengths (a tokenizer whose words' costs do not add up)
+TIMEOUT_S = 60.0
+ANSWER_CHARS = 300  # of a wrong answer, quoted in the error
 
 Counter = Callable[[list[str]], list[int]]  # texts -> each one's token count, as the server counts it
+
+
+def token_counts(url: str, texts: list[str], timeout: float = TIMEOUT_S) -> list[int]:
+    """Each text's token count by the SGLang server at ``url``: ``POST /tokenize`` with
+    ``{"prompt": [text, ...]}``, whose answer's ``count`` holds one count per text. Raises
+    HardenedError naming the server and what it answered when that is not a count per text."""
+    where = f"{url.rstrip('/')}/tokenize"
+    req = urllib.request.Request(where, data=json.dumps({"prompt": texts}).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, body = r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        raise HardenedError(f"{where} answered HTTP {e.code}, not token counts (it must be an SGLang server's): "
+                            f"{e.read().decode(errors='replace')[:ANSWER_CHARS]}") from None
+    except OSError as e:  # refused, reset, unresolvable, timed out
+        raise HardenedError(f"{where} did not answer: {getattr(e, 'reason', e)}") from None
+    try:
+        counts = json.loads(body)["count"]
+    except (ValueError, KeyError, TypeError):
+        counts = None
+    if not (isinstance(counts, list) and len(counts) == len(texts) and all(type(n) is int and n >= 0 for n in counts)):
+        raise HardenedError(f"{where} answered HTTP {status} without a count for each of the {len(texts)} texts "
+                            f"(it must be an SGLang server's): {body[:ANSWER_CHARS]}")
+    return counts
+
+
+def counter(url: str, timeout: float = TIMEOUT_S) -> Counter:
+    """``token_counts`` on the server at ``url``."""
+    return lambda texts: token_counts(url, texts, timeout)
 
 
 @dataclass(frozen=True)
@@ -55,14 +73,61 @@ class WordCosts:
         empty, *each = count(["", *(f" {w}" for w in WORDS)])
         return cls(empty, {w: n - empty for w, n in zip(WORDS, each)})
 
-    def text(self, tokens: int, seed: str) -> str:
-        """WORDS drawn with ``seed`` whose costs and the overhead add up to ``tokens`` (short of it
-        only where no word fits the last gap); the same text for the same seed and costs. Exact
-        where a tokenizer splits at spaces first (byte-level BPE, SentencePiece): the caller
-        measures the result all the same."""
+    def draw(self, tokens: int, seed: str) -> list[str]:
+        """WORDS drawn with ``seed`` whose costs add up to ``tokens`` (short of it only where no
+        word fits the last gap); the same words for the same seed and costs. Exact where a
+        tokenizer splits at spaces first (byte-level BPE, SentencePiece): ``sized`` counts the
+        prompt all the same."""
         rng = random.Random(seed)
-        words, left = [], tokens - self.overhead
+        words, left = [], tokens
         while fits := [w for w in WORDS if 0 < self.words[w] <= left]:
             words.append(rng.choice(fits))
             left -= self.words[words[-1]]
-        return "".join(f" {w}" for w in words)
+        return words
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A prompt to size: ``tokens`` long as the server counts it, its filler words drawn with
+    ``seed`` between a fixed ``head`` and ``tail``."""
+
+    tokens: int
+    seed: str
+    head: str = ""
+    tail: str = ""
+
+
+@dataclass(frozen=True)
+class Sized:
+    text: str
+    tokens: int  # its length as the server counts it: the draft's, or under it where no word fit the last gap
+
+
+def sized(count: Counter, costs: WordCosts, drafts: Sequence[Draft]) -> list[Sized]:
+    """Each draft's text and length by ``count``: its head and tail counted once, its filler drawn
+    for the rest, the whole counted, and one counted over its length (a tokenizer whose words'
+    costs do not simply add up) loses filler words from its end, the rest staying the same draw,
+    and is counted again. FIT_TRIES counts at most, all the drafts in one request each time."""
+    if not drafts:
+        return []
+    frames = list(dict.fromkeys(d.head + d.tail for d in drafts if d.head or d.tail))
+    framed = {"": costs.overhead, **dict(zip(frames, count(frames) if frames else []))}
+    words = [costs.draw(d.tokens - framed[d.head + d.tail], d.seed) for d in drafts]
+    for tries in range(1, FIT_TRIES + 1):
+        texts = [d.head + _spaced(w) + d.tail for d, w in zip(drafts, words)]
+        counts = count(texts)
+        if not (over := [i for i, (d, n) in enumerate(zip(drafts, counts)) if n > d.tokens]):
+            return [Sized(t, n) for t, n in zip(texts, counts)]
+        if any(not words[i] for i in over):
+            break  # its head and tail alone are over
+        for i in over:
+            excess = counts[i] - drafts[i].tokens
+            while excess > 0 and words[i]:
+                excess -= costs.words.get(words[i].pop(), 1)
+    raise HardenedError(f"prompts still over their lengths after {tries} counts, their filler cut to "
+                        f"{min(len(words[i]) for i in over)} words at the least (wanted: counted) "
+                        f"{ {drafts[i].tokens: counts[i] for i in over} }")
+
+
+def _spaced(words: list[str]) -> str:
+    return "".join(f" {w}" for w in words)

@@ -48,15 +48,6 @@ def generate(base_url: str, text: str, max_new_tokens: int = 8, timeout: float =
     return Reply(status, ids, body, seconds)
 
 
-
-def token_counts(base_url: str, texts: list[str], timeout: float = 60.0) -> list[int]:
-    """Each text's token count by the server's own tokenizer (``POST /tokenize``, every base has
-    it): what /generate counts a prompt as. Raises OSError if the server does not answer 200."""
-    req = urllib.request.Request(f"{base_url.rstrip('/')}/tokenize", data=json.dumps({"prompt": texts}).encode(),
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return [int(n) for n in json.load(r)["count"]]
-
 @dataclass
 class Verdict:
     """Probe replies per history label, in run order; ``leaked`` if outputs differ."""

@@ -48,7 +48,8 @@ def test_the_servers_run_the_wheel_built_for_production_python(shared_cluster):
 
 def test_canary_passes_a_safe_deployment(shared_cluster):
     p = shared_cluster.params
-    report = run_canary(shared_cluster.lb_url, Plan(p.prefill_pool_tokens, p.context_length, repeats=2, rounds=1))
+    report = run_canary(shared_cluster.lb_url, Plan(p.prefill_pool_tokens, p.context_length, repeats=2, rounds=1),
+                        tokenize_url=shared_cluster.prefill_url)  # the lb serves no /tokenize
     assert report.ok, report.to_json()
     assert report.requests == Plan(p.prefill_pool_tokens, p.context_length, repeats=2, rounds=1).requests_needed
 

@@ -48,8 +48,8 @@ def test_canary_fails_the_leaking_deployment(shared_cluster):
     # Three rounds, not the default two: the tiny random model's greedy answer often falls into the
     # same loop whatever it attends to, and each round is another chance for it to differ. (Before
     # tenants' prompts differed beyond their canaries, one CI run in several saw no difference.)
-    report = run_canary(lb_url, Plan(p.prefill_pool_tokens, p.context_length, repeats=repeats,
-                                                    rounds=3, max_requests=120))
+    report = run_canary(lb_url, Plan(p.prefill_pool_tokens, p.context_length, repeats=repeats, rounds=3,
+                                      max_requests=120), tokenize_url=shared_cluster.prefill_url)
     checks = {c.name.split(" (")[0]: c for c in report.checks}
     assert not report.ok
     assert not checks["over-pool prompt"].ok and "200" in checks["over-pool prompt"].detail

@@ -203,6 +203,7 @@ OPEN = [
     ("gateway", "prefill", HTTP), ("gateway", "decode", HTTP),
     ("prometheus", "prefill", HTTP), ("prometheus", "decode", HTTP), ("prometheus", "gateway", 29000),
     ("tenant", "gateway", 8000), ("tenant elsewhere", "gateway", 8000), ("canary", "gateway", 8000),
+    ("canary", "prefill", HTTP),  # SGLang's /tokenize sizes the canary's prompts
     ("gateway", "kube-apiserver", 443), ("gateway", "kube-apiserver", 6443),  # smg's service discovery
 ]
 SHUT = [
@@ -213,7 +214,8 @@ SHUT = [
     ("monitoring's other pod", "prefill", HTTP), ("monitoring's other pod", "gateway", 29000),
     ("tenant", "gateway", 29000), ("canary", "decode", HTTP),
     *[(outsider, target, port) for outsider in ("tenant", "tenant elsewhere", "canary", "another part-of pod")
-      for target, port in (("prefill", BOOTSTRAP), ("prefill", HTTP), ("prefill", TRANSFER), ("decode", TRANSFER))],
+      for target, port in (("prefill", BOOTSTRAP), ("prefill", HTTP), ("prefill", TRANSFER), ("decode", TRANSFER))
+      if (outsider, target, port) != ("canary", "prefill", HTTP)],
     *[(component, "the internet", 443) for component in ("prefill", "decode", "gateway", "canary")],
     *[(component, "kube-dns", 8080) for component in ("prefill", "decode", "gateway", "canary")],
     *[(component, "kube-apiserver", 443) for component in ("prefill", "decode", "canary")],

@@ -1,7 +1,8 @@
 """The operator commands on a deployment that does not answer, and their one meaning of
 --json and exit codes (sglang_hardened/common/output.py). The canary's CronJob meets a dead
 gateway whenever the preflight gate has taken it out of service: the canary used to end in a
-traceback (an uncaught URLError in its calibration request) and write no report."""
+traceback (an uncaught URLError in its first request) and write no report. Its prompts are
+sized by prefill's /tokenize, which still answers (a word a token here)."""
 
 from __future__ import annotations
 
@@ -45,12 +46,17 @@ def unavailable_url():
     server.shutdown()
 
 
+@pytest.fixture
+def tokenize_url(http_stand_in) -> str:
+    return "http://" + http_stand_in(lambda path, body: (200, json.dumps({"count": [len(t.split()) for t in json.loads(body)["prompt"]]}).encode()))
+
+
 @pytest.mark.parametrize("which", ["refused", "503"])
-def test_a_deployment_that_does_not_answer_fails_the_canary_with_a_report(which, unavailable_url, tmp_path):
+def test_a_deployment_that_does_not_answer_fails_the_canary_with_a_report(which, unavailable_url, tokenize_url, tmp_path):
     url = f"http://127.0.0.1:{closed_port()}" if which == "refused" else unavailable_url
     out = tmp_path / "canary.json"
-    result = CliRunner().invoke(canary, ["--url", url, "--pool-tokens", "256", "--context-length", "1024",
-                                         "--json", str(out)])
+    result = CliRunner().invoke(canary, ["--url", url, "--tokenize-url", tokenize_url, "--pool-tokens", "256",
+                                         "--context-length", "1024", "--json", str(out)])
     assert result.exit_code == UNJUDGED and isinstance(result.exception, SystemExit), result.output
     assert "Traceback" not in result.output and "the deployment answers" in result.output, result.output
     report = json.loads(out.read_text())

@@ -85,10 +85,13 @@ def _standin(leaks: bool, copies: bool = True):
     any other prompt with ids hashed from that KV. A leaking one attends the pages the last
     tenant's prompt left and answers a prompt over the pool with 200 (the incident); a safe one
     attends its own prompt and refuses that prompt with a 400. ``copies=False`` answers never
-    repeat a canary."""
+    repeat a canary. Its /tokenize counts a word a token (tests/integration/test_prompt_lengths.py
+    has the real tokenizer)."""
     last_tenant = [""]
 
     def answer(path: str, body: bytes) -> tuple[int, bytes]:
+        if path == "/tokenize":
+            return 200, json.dumps({"count": [len(t.split()) for t in json.loads(body)["prompt"]]}).encode()
         prompt = json.loads(body)["text"]
         tokens = len(prompt.split())
         if tokens > POOL and not leaks:

@@ -2,8 +2,9 @@
 and 4242 once stopped the soak before it sent anything ("the quiet cluster refused fitting
 prompts {992: 400}"), their draw of dear words taking the average word's cost past the limit.
 The tokenizers here are rules (a word's cost differs from word to word, as the sandbox's
-byte-level BPE's does, from one token to six); tests/integration/test_soak_prompts.py runs
-the same draws through the sandbox model's real tokenizer."""
+byte-level BPE's does, from one token to six); tests/unit/test_filler.py tests the sizing the
+soak shares with the canary, and tests/integration/test_prompt_lengths.py runs the same draws
+through the sandbox model's real tokenizer behind an SGLang-shaped /tokenize."""
 
 from __future__ import annotations
 
@@ -11,11 +12,8 @@ import random
 
 import pytest
 
-from sglang_hardened.operations.filler import WORDS, WordCosts
 from sglang_hardened.sandbox.cluster import ClusterParams
-from sglang_hardened.sandbox.env import SandboxError
-from sglang_hardened.sandbox.soak.catalogue import (FIT_TRIES, OVER, Prompt, draw, fitting_lengths, measured,
-                                                   over_lengths)
+from sglang_hardened.sandbox.soak.catalogue import OVER, draw, fitting_lengths, over_lengths
 
 PARAMS = ClusterParams(base="0.5.23", prefill_pool_tokens=1024, context_length=1024, page_size=16,
                        chunked_prefill_size=256)
@@ -35,11 +33,6 @@ def additive(asked: list[list[str]]):
     return count
 
 
-def merging(texts: list[str]) -> list[int]:
-    """Each word's cost and one more for every "the" after "of": costs that do not add up."""
-    return [sum(cost(w) for w in t.split()) + t.count("of the") for t in texts]
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_every_prompt_is_as_long_as_drawn_for_any_seed(seed):
     asked: list[list[str]] = []
@@ -51,33 +44,6 @@ def test_every_prompt_is_as_long_as_drawn_for_any_seed(seed):
     assert [p.tokens for p in cat.over_limit] == [PARAMS.context_length + OVER]
     assert len(asked) == 4  # the words' costs once, then one count per kind
     assert draw(additive([]), PARAMS, seed, KINDS) == cat  # the same seed, the same prompts
-
-
-def test_the_costs_are_measured_per_word_over_the_empty_prompt():
-    costs = WordCosts.measure(additive([]))
-    assert costs.overhead == 1 and costs.words == {w: cost(w) for w in WORDS}
-    assert sum(cost(w) for w in costs.text(100, "s").split()) == 99  # the BOS is one of the 100
-
-
-def test_a_draw_that_counts_over_its_length_loses_words_from_its_end_until_it_does_not():
-    costs = WordCosts.measure(merging)
-    drawn = [Prompt(" of the" * 50, 150, 4), Prompt(" key of the", 8, 4)]
-    got = measured(drawn, merging, costs)
-    assert [p.tokens for p in got] == merging([p.text for p in got])
-    assert all(p.tokens <= d.tokens and d.text.startswith(p.text) for p, d in zip(got, drawn))
-    assert got[0].tokens > 150 * 3 // 4  # cut short, not gutted
-
-
-def test_a_tokenizer_that_never_comes_down_is_refused_naming_the_lengths():
-    asked: list[list[str]] = []
-
-    def stubborn(texts: list[str]) -> list[int]:
-        asked.append(texts)
-        return [500 for _ in texts]
-
-    with pytest.raises(SandboxError, match="still over their lengths"):
-        measured([Prompt(" the" * 300, 300, 4)], stubborn, WordCosts.measure(additive([])))
-    assert len(asked) == FIT_TRIES
 
 
 def test_lengths_fit_every_pair_the_balancer_may_choose_and_the_over_ones_pass_every_pair():

@@ -1,6 +1,6 @@
-"""The soak's prompts, sized from the cluster (page, chunk, pool and input limit) and measured
-by the server's tokenizer, and each one's answer on the quiet cluster: the model a loaded,
-faulted cluster is checked against.
+"""The soak's prompts, their lengths from the cluster (page, chunk, pool and input limit) and
+their text cut to those lengths by prefill's tokenizer (``operations/filler.py``), and each
+one's answer on the quiet cluster: the model a loaded, faulted cluster is checked against.
 
 Greedy decoding maps a prompt to one output whatever else runs, so the quiet answer is
 what every 200 for that prompt must be; a prompt the quiet cluster refuses must be refused.
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from ...operations.filler import Counter, WordCosts
+from ...common.errors import HardenedError
+from ...operations.filler import Counter, Draft, WordCosts, sized
 from ...operations.oracle import Reply, generate
 from ..cluster import ClusterParams
 from ..env import SandboxError
@@ -20,7 +21,6 @@ from ..env import SandboxError
 MARGIN = 16  # tokens kept clear of a limit: a page's rounding, a server's reserved tokens
 OVER = 48  # tokens an over-limit prompt goes past its limit by
 MAX_NEW = (4, 16)  # output tokens of a prompt (uniform, drawn with the seed)
-FIT_TRIES = 8  # counts a drawn prompt may take to come down to its length (a tokenizer whose words' costs do not add up)
 
 
 @dataclass(frozen=True)
@@ -71,26 +71,6 @@ def over_lengths(p: ClusterParams) -> dict[str, int]:
             "over-limit": max(min(a.context_length, b.context_length) for a in prefills for b in decodes) + OVER}
 
 
-def measured(prompts: list[Prompt], count: Counter, costs: WordCosts) -> list[Prompt]:
-    """``prompts`` (each drawn for ``tokens``) with their length as the server counts it. One
-    counted over its length (a tokenizer whose words' costs do not simply add up) loses words
-    from its end, the rest staying the same draw, and is counted again: FIT_TRIES counts at
-    most, all the prompts in one request each time."""
-    wanted = [p.tokens for p in prompts]
-    now = list(prompts)
-    for _ in range(FIT_TRIES):
-        now = [replace(p, tokens=n) for p, n in zip(now, count([p.text for p in now]))]
-        if not (over := [i for i, p in enumerate(now) if p.tokens > wanted[i]]):
-            return now
-        for i in over:
-            words, excess = now[i].text.split(), now[i].tokens - wanted[i]
-            while excess > 0 and len(words) > 1:
-                excess -= costs.words.get(words.pop(), 1)
-            now[i] = replace(now[i], text="".join(f" {w}" for w in words))
-    raise SandboxError(f"prompts still over their lengths after {FIT_TRIES} counts (wanted: counted) "
-                       f"{ {wanted[i]: now[i].tokens for i in over} }")
-
-
 def draw(count: Counter, params: ClusterParams, seed: int, kinds: Iterable[str]) -> Catalogue:
     """The prompts ``kinds`` send, drawn with ``seed`` and measured with ``count`` (the server's
     tokenizer): fitting ones at exactly their lengths or under, over-limit ones past their limit."""
@@ -98,8 +78,8 @@ def draw(count: Counter, params: ClusterParams, seed: int, kinds: Iterable[str])
     rng = random.Random(f"{seed}/catalogue")
 
     def prompts(lengths: list[int], name: str) -> list[Prompt]:
-        drawn = [Prompt(costs.text(n, f"{seed}/{name}/{i}"), n, rng.randint(*MAX_NEW)) for i, n in enumerate(lengths)]
-        return measured(drawn, count, costs)
+        texts = sized(count, costs, [Draft(n, f"{seed}/{name}/{i}") for i, n in enumerate(lengths)])
+        return [Prompt(t.text, t.tokens, rng.randint(*MAX_NEW)) for t in texts]
 
     over = over_lengths(params)
     kinds = set(kinds)
@@ -116,8 +96,8 @@ def build(lb_url: str, count: Counter, params: ClusterParams, seed: int, timeout
     """``draw`` the prompts, then ask the quiet cluster each one, in turn."""
     try:
         cat = draw(count, params, seed, kinds)
-    except OSError as e:
-        raise SandboxError(f"the sandbox's prefill did not count tokens (/tokenize): {e}") from e
+    except HardenedError as e:
+        raise SandboxError(f"the sandbox's prefill did not size the soak's prompts: {e}") from e
     for prompt in cat.fitting + cat.over_pool + cat.over_limit:
         try:
             reply = generate(lb_url, prompt.text, prompt.max_new_tokens, timeout_s)

@@ -10,7 +10,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable
 
-from ...operations.oracle import token_counts
+from ...operations.filler import counter
 from ...runtime.source_hold import HOLD_TIMEOUTS
 from ..cluster import Cluster, marked_pids
 from ..instruments import Instruments
@@ -52,7 +52,7 @@ def run_soak(cluster: Cluster, plan: SoakPlan, restart: Callable[[str], None] | 
     plan.validate()
     injector = Injector(cluster, plan, restart or cluster.restart, instruments or cluster.instruments)
     began = time.monotonic()
-    cat = build(cluster.lb_url, lambda texts: token_counts(cluster.prefill_url, texts, plan.bound_s), cluster.params,
+    cat = build(cluster.lb_url, counter(cluster.prefill_url, plan.bound_s), cluster.params,
                 plan.seed, plan.bound_s, [k for k, w in plan.mix.items() if w > 0])
     idle = cluster.used_tokens()
     rss_start = {name: rss_mib(cluster.procs[name].pid) for name in injector.servers()}
