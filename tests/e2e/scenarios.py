@@ -178,14 +178,17 @@ def bootstrap_fields(cluster: Cluster, prefill: str = "prefill") -> dict:
 
 
 def observe_pair(cluster: Cluster, prompt: str, prefill: str = "prefill", decode: str = "decode",
-                 max_new_tokens: int = 8) -> tuple[Reply, Reply]:
+                 max_new_tokens: int = 8, prefill_prompt: str | None = None) -> tuple[Reply, Reply]:
     """What ``prefill`` and ``decode`` (servers' names) each answer to one request sent to both,
-    as a load balancer that paired them does (mini-lb shows the client decode's answer only)."""
+    as a load balancer that paired them does (mini-lb shows the client decode's answer only).
+    ``prefill_prompt``: what prefill is sent in place of ``prompt``, as if its input limit had
+    truncated it (``--allow-auto-truncate`` below decode's limit) on a cluster whose limits agree."""
     bootstrap = bootstrap_fields(cluster, prefill)
     timeout = cluster.params.waiting_timeout_s * 4 + 60
     with ThreadPoolExecutor(2) as pool:
-        at_prefill, at_decode = (pool.submit(generate, cluster.procs[name].url, prompt, max_new_tokens, timeout,
-                                             bootstrap) for name in (prefill, decode))
+        at_prefill, at_decode = (pool.submit(generate, cluster.procs[name].url, text, max_new_tokens, timeout,
+                                             bootstrap)
+                                 for name, text in ((prefill, prefill_prompt or prompt), (decode, prompt)))
         return at_prefill.result(), at_decode.result()
 
 
