@@ -12,7 +12,7 @@ sandbox's, as bench_cluster.py starts it) serving greedy requests of the
 prompt's length one at a time; a step is the difference in latency between
 a long and a short answer over the difference in tokens, so prefill, the
 transfer, H8's own check and HTTP cancel out. The same cluster logs H8's
-cost for every request where it runs (`page_tags_cost`, one line a request:
+cost for every request where it runs (`page_tags.cost`, one line a request:
 the servers' own page indices and cache state): their means per request
 are set against its step too. Tag work runs once per request, a step once
 per token: the amortised share spreads it over --output-tokens steps. The
@@ -51,8 +51,8 @@ from sglang_hardened.common.knobs import PAGE_TAGS_COST_EVERY
 from sglang_hardened.common.table import format_table
 from sglang_hardened.operations.oracle import generate
 from sglang_hardened.runtime import coverage
-from sglang_hardened.runtime.page_tags import ROW_PATHS
-from sglang_hardened.runtime.page_tags_cost import read_cost_lines
+from sglang_hardened.runtime.page_tags.rows import ROW_PATHS
+from sglang_hardened.runtime.page_tags.cost import read_cost_lines
 from sglang_hardened.sandbox.cluster import ClusterParams, start
 from sglang_hardened.sandbox.env import build_env, default_overlay, wheels_for
 from sglang_hardened.sandbox.model import ensure_model

@@ -52,7 +52,7 @@ import torch
 from stats import median_interval  # benchmarks/ is on sys.path when run as a script
 
 from sglang_hardened.common.table import format_table
-from sglang_hardened.runtime.page_tags import TAG_WORDS, DecodePageTags
+from sglang_hardened.runtime.page_tags.rows import TAG_WORDS, DecodePageTags
 
 ARMS = ("upstream", "sync", "async")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_hardened.common.table import format_table
-from sglang_hardened.runtime.page_tags import ROW_PATHS, DecodePageTags, TagBuffer, row_path
+from sglang_hardened.runtime.page_tags.rows import ROW_PATHS, DecodePageTags, TagBuffer, row_path
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,12 @@ rebase has little to carry. What a seam may add besides is glue: a ``return`` or
 vendor patch adds at most GLUE_LINES_MAX such lines to any one upstream file;
 backports (``Origin: backport``) keep upstream's own shape instead and are not held
 to it. ``sglang-hardened verify`` fails a patch over the budget, naming the lines.
+
+A runtime call is told from glue by its alias: a seam imports each runtime module once per
+upstream file, as ``hardened_<module>`` (its dotted path under runtime joined by ``_``), and a
+line counts as a runtime call only through an alias its file imported. One alias per module
+makes a seam greppable across every patch and base; ``verify`` fails an import under any other
+name, naming the patch's line.
 """
 
 from __future__ import annotations
@@ -21,9 +27,54 @@ from ..common.table import markdown_table
 from . import unidiff
 
 GLUE_LINES_MAX = 3  # per vendor patch and upstream file
-# A runtime line: the code (its comment aside) imports the runtime, or calls through an alias a
-# seam imports it under (``hardened_<module>.f(``), not merely a line that mentions "hardened".
-RUNTIME_LINE = re.compile(r"\bfrom sglang_hardened\.runtime import |\bhardened_\w+\.\w+")
+RUNTIME = "sglang_hardened.runtime"
+# A line that imports the runtime: ``from sglang_hardened.runtime[.<package>] import <names>``, or
+# any ``import sglang_hardened...`` (which the rule refuses: a seam imports one module, aliased).
+_IMPORT = re.compile(r"\bfrom sglang_hardened\.runtime((?:\.\w+)*) import (.+)|\bimport sglang_hardened\b")
+_NAME = re.compile(r"(\w+) as (\w+)")
+_CALL = re.compile(r"(?<![\w.])(hardened_\w+)\.(\w+)")  # ``hardened_<module>.f``, not ``x.hardened_y.f``
+_NEW_START = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)")
+
+
+def alias_for(module: str) -> str:
+    """The one alias every seam imports a runtime module under: ``hardened_`` and the module's
+    dotted path under runtime joined by ``_`` (``page_tags.seams``: ``hardened_page_tags_seams``)."""
+    return "hardened_" + module.replace(".", "_")
+
+
+def _code(line: str) -> str:
+    """A line without its trailing comment: a comment that names the layer makes no line a seam."""
+    return line.split("#", 1)[0].strip()
+
+
+def _imports(code: str) -> tuple[list[tuple[str, str]], str | None]:
+    """The (runtime module, alias) pairs a line of code imports, and what breaks the alias rule
+    there (None: nothing)."""
+    found = _IMPORT.search(code)
+    if not found:
+        return [], None
+    if found.group(2) is None:
+        return [], f"`{code}`: import a runtime module as `from {RUNTIME} import <module> as hardened_<module>`"
+    package, pairs, faults = found.group(1), [], []
+    for name in filter(None, (n.strip() for n in found.group(2).split(","))):
+        module = f"{package[1:]}.{name.split()[0]}" if package else name.split()[0]
+        alias = match.group(2) if (match := _NAME.fullmatch(name)) else None
+        if alias != alias_for(module):
+            faults.append(f"`{code}`: {RUNTIME}.{module} must be imported as {alias_for(module)}")
+        else:
+            pairs.append((module, alias))
+    return pairs, "; ".join(faults) or None
+
+
+def alias_faults(diff: str) -> list[tuple[int, str]]:
+    """Each added line of a diff that imports the runtime other than as the rule says (one module
+    per name, aliased ``alias_for(module)``): its line number in the diff (1-based) and why."""
+    faults = []
+    for number, line in enumerate(diff.splitlines(), 1):
+        if line.startswith("+") and not line.startswith("+++"):
+            if (fault := _imports(_code(line[1:]))[1]) is not None:
+                faults.append((number, fault))
+    return faults
 
 
 def _inserted(hunk: unidiff.Hunk) -> list[tuple[int, int]]:
@@ -37,68 +88,76 @@ def added_runs(hunk: unidiff.Hunk) -> list[list[str]]:
     return [hunk.new[j1:j2] for j1, j2 in _inserted(hunk)]
 
 
+def _added(hunk: unidiff.Hunk) -> list[tuple[int, str]]:
+    """Each line a hunk adds, with its index on the hunk's new side."""
+    return [(j, hunk.new[j]) for j1, j2 in _inserted(hunk) for j in range(j1, j2)]
+
+
+class Aliases:
+    """What each ``hardened_<module>`` alias names in each upstream file, across a series in order:
+    a patch may call through an alias an earlier patch imported into the same file."""
+
+    def __init__(self) -> None:
+        self.modules: dict[tuple[str, str], str] = {}  # (upstream file, alias) -> runtime module
+
+    def note(self, diff: str) -> list[unidiff.FilePatch]:
+        """Note the aliases a patch imports (before its calls are read: imports head a file);
+        returns the patch, parsed."""
+        parsed = unidiff.parse(diff)
+        for fp in parsed:
+            for hunk in fp.hunks:
+                for _, line in _added(hunk):
+                    for module, alias in _imports(_code(line))[0]:
+                        self.modules[fp.target, alias] = module
+        return parsed
+
+    def calls(self, target: str, line: str) -> list[str]:
+        """The runtime functions (``module.function``) a line of ``target`` calls through its aliases."""
+        return [f"{self.modules[target, alias]}.{fn}" for alias, fn in _CALL.findall(_code(line))
+                if (target, alias) in self.modules]
+
+
 def _depth(line: str) -> int:
     return sum(line.count(c) for c in "([{") - sum(line.count(c) for c in ")]}")
 
 
-def glue_lines(diff: str) -> dict[str, list[str]]:
-    """Per upstream file, the lines the diff adds that are not a runtime call or its arguments."""
+def glue_lines(diff: str, aliases: Aliases | None = None) -> dict[str, list[str]]:
+    """Per upstream file, the lines the diff adds that are not a runtime import, a call through an
+    alias the file imports (``aliases``: the series' so far; by default the diff's own) or its
+    arguments."""
+    aliases = aliases or Aliases()
     glue: dict[str, list[str]] = {}
-    for fp in unidiff.parse(diff):
+    for fp in aliases.note(diff):
         for hunk in fp.hunks:
             open_call = 0  # brackets still open in a runtime call
             for raw in (line for run in added_runs(hunk) for line in run):
                 line = raw.strip()
                 if not line or line.startswith("#"):
                     continue
-                if open_call > 0 or RUNTIME_LINE.search(line.split("#", 1)[0]):
-                    open_call = max(0, open_call + _depth(line))
+                if open_call > 0 or _IMPORT.search(_code(line)) or aliases.calls(fp.target, line):
+                    open_call = max(0, open_call + _depth(_code(line)))
                 else:
                     glue.setdefault(fp.target, []).append(line)
     return glue
 
 
-def over_budget(origin: str, diff: str) -> dict[str, list[str]]:
+def over_budget(origin: str, diff: str, aliases: Aliases | None = None) -> dict[str, list[str]]:
     """The files where a vendor patch adds more glue than GLUE_LINES_MAX (none for a backport)."""
     if not origin.startswith("vendor"):
         return {}
-    return {path: lines for path, lines in glue_lines(diff).items() if len(lines) > GLUE_LINES_MAX}
-
-
-_IMPORT = re.compile(r"from sglang_hardened\.runtime import (\w+) as (hardened_\w+)")
-_CALL = re.compile(r"\b(hardened_\w+)\.(\w+)")
-_NEW_START = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)")
-
-
-def _added(hunk: unidiff.Hunk) -> list[tuple[int, str]]:
-    """Each line a hunk adds, with its index on the hunk's new side."""
-    return [(j, hunk.new[j]) for j1, j2 in _inserted(hunk) for j in range(j1, j2)]
-
-
-class _Aliases:
-    """What each ``hardened_<x>`` alias names in each upstream file, across a series in order: a
-    patch may call through an alias an earlier patch imported into the same file."""
-
-    def __init__(self) -> None:
-        self.modules: dict[tuple[str, str], str] = {}  # (upstream file, alias) -> runtime module
-
-    def calls(self, target: str, line: str) -> list[str]:
-        """Note the line's imports; the runtime functions (``module.function``) it calls."""
-        for module, alias in _IMPORT.findall(line):
-            self.modules[target, alias] = module
-        return [f"{self.modules[target, alias]}.{fn}" for alias, fn in _CALL.findall(line)]
+    return {path: lines for path, lines in glue_lines(diff, aliases).items() if len(lines) > GLUE_LINES_MAX}
 
 
 def runtime_seams(patches: Iterable[tuple[str, str]]) -> dict[str, set[str]]:
-    """Every runtime function a series' patches call, as ``module.function`` with the hardening
-    ids of the patches that call it, from ``(hardening id, diff)`` pairs in series order.
+    """Every runtime function a series' patches call, as ``module.function`` (the module's dotted
+    path under runtime) with the hardening ids of the patches that call it, from
+    ``(hardening id, diff)`` pairs in series order.
 
-    The one list of seams: runtime/seam_cost.py times exactly these. An alias names a module
-    per upstream file (``hardened_tags`` is page_tags_seams in one, page_tags_nixl in another).
+    The one list of seams: runtime/seam_cost.py times exactly these.
     """
-    aliases, found = _Aliases(), {}
+    aliases, found = Aliases(), {}
     for hardening_id, diff in patches:
-        for fp in unidiff.parse(diff):
+        for fp in aliases.note(diff):
             for hunk in fp.hunks:
                 for _, line in _added(hunk):
                     for seam in aliases.calls(fp.target, line):
@@ -144,18 +203,18 @@ class SiteIndex:
 
     def __init__(self) -> None:
         self.sites: list[Site] = []
-        self._aliases = _Aliases()
+        self.aliases = Aliases()
 
     def add(self, patch: str, diff: str, files: dict[str, str | None]) -> None:
         """Index one patch, given the upstream files as it left them."""
-        for fp in unidiff.parse(diff):
+        for fp in self.aliases.note(diff):
             text = files.get(fp.target) or ""
             lines = text.splitlines(keepends=True)
             functions = _functions(text) if fp.target.endswith(".py") and text else []
             for hunk in fp.hunks:
                 start = unidiff.locate(lines, hunk.new, int(_NEW_START.match(hunk.header).group(1)) - 1)
                 for j, line in _added(hunk):
-                    for seam in self._aliases.calls(fp.target, line):
+                    for seam in self.aliases.calls(fp.target, line):
                         where = _enclosing(functions, start + j + 1) if start is not None else "?"
                         site = Site(patch, fp.target, where, seam)
                         if site not in self.sites:

@@ -69,7 +69,11 @@ def verify_and_index(patches: Path, base: str) -> tuple[list[PatchStatus], list[
             index.add(patch.name.removesuffix(".patch"), patch.diff, files)
         except HardenedError as exc:
             status = f"FAILED: {exc}"
-        if status.startswith("ok") and (glue := seams.over_budget(patch.headers["Origin"], patch.diff)):
+        if status.startswith("ok") and (aliases := seams.alias_faults(patch.diff)):
+            first = len(patch.path.read_text().splitlines()) - len(patch.diff.splitlines())  # the header's lines
+            status = "FAILED: an import breaks the seam rule's one alias per module: " + "; ".join(
+                f"line {first + number}: {fault}" for number, fault in aliases)
+        if status.startswith("ok") and (glue := seams.over_budget(patch.headers["Origin"], patch.diff, index.aliases)):
             status = "FAILED: more than the seam rule allows besides runtime calls " + "; ".join(
                 f"({len(lines)} > {seams.GLUE_LINES_MAX} lines in {path}: {', '.join(lines[:4])})"
                 for path, lines in glue.items())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 
 from . import metrics
-from .page_tags_seams import release as forget_page_tags
+from .page_tags.seams import release as forget_page_tags
 from .rank_agreement import refused_elsewhere
 from .refusal import abort_before_decode
 from .warmup import FAKE_BOOTSTRAP_HOST

@@ -63,7 +63,7 @@ def server_info() -> dict:
     """The `hardening` field of /server_info: enough for preflight to judge a node, with
     the release settings in effect in this server's environment (not its version's defaults)."""
     from .bootstrap_auth import token_set
-    from .page_tags_switch import tags_on
+    from .page_tags.switch import tags_on
     from .startup import deferred_release_on
     from .release_timeout import process_release_timeout_s
 

@@ -56,7 +56,7 @@ HOLD_ENDS: dict[str, tuple[str, ...]] = {
 }
 POLL_RESULTS = ("ok", "unhardened", "unreadable")
 STOPS = ("room_failed", "send_deadline")  # why a split send made no more calls (H6)
-TAG_OPS = ("stamp", "allocate", "check", "release")  # H8's operations (runtime/page_tags.py)
+TAG_OPS = ("stamp", "allocate", "check", "release")  # H8's operations (runtime/page_tags/rows.py)
 ENTRY_BUCKETS = (1, 8, 64, 256, 512, 1024, 2048, 4096)
 BYTE_BUCKETS = tuple(float(1 << s) for s in range(12, 31, 3))  # 4 KiB .. 1 GiB
 SECONDS_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
@@ -268,5 +268,5 @@ def polled(result: str) -> None:
 
 def tag_op(role: str, op: str, seconds: float) -> None:
     """Observe one H8 tag operation's wall time (TAG_OPS) on ``role``: only while H8's cost is
-    metered (runtime/page_tags_cost.py), whose clocks it reads, so an unmetered check costs nothing."""
+    metered (runtime/page_tags/cost.py), whose clocks it reads, so an unmetered check costs nothing."""
     _observe("page_tag_op_seconds", seconds, role=_checked(role, ROLES), op=_checked(op, TAG_OPS))

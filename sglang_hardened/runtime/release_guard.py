@@ -122,12 +122,13 @@ _watch = PeerWatch()
 # pass of its loop (at least once a second), so only ended holds are ever that quiet.
 _held: dict[int, float] = {}
 FORGET_S = 60.0
+DRAIN_ALIAS = "hardened_nixl_drain"  # what a backend's module imports nixl_drain as (the seam rule's one alias)
 
 
 def _running_proves_drained(receiver) -> bool:
     """Whether a prefill running for a release timeout proves its writes for this receiver done:
     not where the backend's module acks only once they settled (NIXL with `nixl_drain`)."""
-    return not hasattr(sys.modules.get(type(receiver).__module__), "hardened_drain")
+    return not hasattr(sys.modules.get(type(receiver).__module__), DRAIN_ALIAS)
 
 
 def writers_settled(receiver) -> bool:

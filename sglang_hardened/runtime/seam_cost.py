@@ -224,7 +224,7 @@ def install(environ: Mapping[str, str] = os.environ) -> Report | None:
     except (OSError, ValueError) as e:
         raise ValueError(f"{SEAM_COST_DIR.name}={folder!r}: no readable {SEAMS_FILE} there ({e})") from None
     for seam in [*seams, METRICS_SEAM]:
-        module_name, name = seam.split(".")
+        module_name, name = seam.rsplit(".", 1)  # a module under runtime may be dotted (page_tags.seams)
         module = importlib.import_module(f"{__package__}.{module_name}")
         original = getattr(module, name)
         if not hasattr(original, WRAPPED):  # a second install wraps nothing twice

@@ -40,7 +40,7 @@ def test_seam_cost_times_seams_and_counts_syncs_on_both_schedulers(monkeypatch, 
     assert all(r["group_cpu_ns"][role] > 0 for r in runs.values() for role in sc.ROLES)
     seams = runs["seams"]["seams"]
     assert all(seams[role]["scheduler_ns"] > 0 for role in sc.ROLES)
-    check = seams["decode"]["seams"]["page_tags_seams.refuse_untagged|scheduler loop"]
+    check = seams["decode"]["seams"]["page_tags.seams.refuse_untagged|scheduler loop"]
     assert check["ids"] == ["H8"] and check["calls"] == runs["seams"]["requests"]
 
     def owners(arm: str, role: str) -> dict[str, int]:
@@ -51,4 +51,4 @@ def test_seam_cost_times_seams_and_counts_syncs_on_both_schedulers(monkeypatch, 
 
     assert all(owners(arm, role).get("upstream") for arm in ("upstream-syncs", "hardened-syncs") for role in sc.ROLES)
     assert set(owners("upstream-syncs", "decode")) <= {"upstream", "upstream forward", "harness"}
-    assert owners("hardened-syncs", "decode")["page_tags_seams.refuse_untagged"] == runs["hardened-syncs"]["requests"]
+    assert owners("hardened-syncs", "decode")["page_tags.seams.refuse_untagged"] == runs["hardened-syncs"]["requests"]

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from sglang_hardened.runtime.page_tags_seams import OTHER_RANK
+from sglang_hardened.runtime.page_tags.seams import OTHER_RANK
 from tests.harness import phase
 
 from .conftest import sandbox_env

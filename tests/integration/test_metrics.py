@@ -37,7 +37,7 @@ metrics.transfer_call(300, 300 * 65536)
 metrics.send_stopped("room_failed")
 metrics.following(+1)
 metrics.polled("ok")
-from sglang_hardened.runtime.page_tags_cost import CostMeter
+from sglang_hardened.runtime.page_tags.cost import CostMeter
 for every in (2, 0):  # H8's cost metered, then not: only the metered check is observed
     meter = CostMeter("decode", closing_op="release", unit="request", every=every)
     meter.add("check", meter.start(), 1, 4)

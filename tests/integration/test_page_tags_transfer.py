@@ -1,6 +1,6 @@
 """H8 tags really travel: two processes, real Mooncake over TCP or real NIXL over UCX (DRAM) on
 127.0.0.1, the rows moved from prefill's tag buffer into decode's as one more registered buffer
-(NIXL: through the runtime's own `page_tags_nixl` adapters)."""
+(NIXL: through the runtime's own `page_tags.nixl` adapters)."""
 
 from __future__ import annotations
 

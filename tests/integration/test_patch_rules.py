@@ -14,7 +14,9 @@ FORWARDED = re.compile(r"https?://\S+|(?:no|not-needed), \S.{9,}")
 
 SEAM = '''--- a/sglang/srt/x.py
 +++ b/sglang/srt/x.py
-@@ -1,3 +1,11 @@
+@@ -1,3 +1,13 @@
++from sglang_hardened.runtime import startup as hardened_startup
++
  def f(a):
 +    if not hardened_startup.check(
 +        a,
@@ -45,6 +47,22 @@ def test_verify_fails_a_vendor_patch_with_logic_in_upstream_files(run_cli, tree_
     assert done.returncode != 0, done.stdout
     [row] = [line for line in done.stdout.splitlines() if patch.name in line]
     assert "FAILED: more than the seam rule allows" in row and "sglang/srt/disaggregation/mooncake/conn.py" in row
+
+
+def test_verify_fails_a_patch_that_imports_a_runtime_module_under_another_alias(run_cli, tree_copy):
+    """One alias per runtime module (``hardened_<module>``): an import under another name fails
+    its patch, naming the patch's line, even where the glue it leaves is within the budget."""
+    patch = tree_copy / "0.5.19" / "0011-h8-page-tags-nixl.patch"
+    text = patch.read_text()
+    old = "from sglang_hardened.runtime.page_tags import nixl as hardened_page_tags_nixl"
+    line = 1 + text.splitlines().index(f"+{old}")
+    patch.write_text(text.replace(old, old.replace("hardened_page_tags_nixl", "hardened_tags")).replace(
+        "hardened_page_tags_nixl.", "hardened_tags."))
+    done = run_cli("verify", "--base", "0.5.19")
+    assert done.returncode != 0, done.stdout
+    [row] = [row for row in done.stdout.splitlines() if patch.name in row]
+    assert f"FAILED: an import breaks the seam rule's one alias per module: line {line}:" in row, row
+    assert "must be imported as hardened_page_tags_nixl" in row, row
 
 
 def _norm(text: str) -> str:

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from sglang_hardened.runtime import coverage
-from sglang_hardened.runtime import page_tags_seams as seams
+from sglang_hardened.runtime.page_tags import seams
 from sglang_hardened.runtime import source_hold
-from sglang_hardened.runtime.page_tags import DecodePageTags
+from sglang_hardened.runtime.page_tags.rows import DecodePageTags
 from sglang_hardened.runtime.rank_agreement import any_rank
 from tests.unit.test_page_tags_seams import ROOM, decode_req, transfer_queue
 from tests.unit.test_source_hold import Sender

@@ -112,7 +112,7 @@ def _receiver(monkeypatch, module: str, drains: bool, room: int, endpoint: tuple
     `nixl_drain` as 0023 makes NIXL's do, or not."""
     backend = types.ModuleType(module)
     if drains:
-        backend.hardened_drain = nixl_drain
+        backend.hardened_nixl_drain = nixl_drain
     monkeypatch.setitem(sys.modules, module, backend)
     receiver = type("KVReceiver", (), {"__module__": module})()
     receiver.bootstrap_room, receiver.bootstrap_infos = room, [{"rank_ip": endpoint[0], "rank_port": endpoint[1]}]

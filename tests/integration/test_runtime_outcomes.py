@@ -13,8 +13,8 @@ import pytest
 
 from sglang_hardened.common.knobs import BOOTSTRAP_TOKEN
 from sglang_hardened.runtime import bootstrap_auth, coverage, outcomes
-from sglang_hardened.runtime import page_tags_seams as seams
-from sglang_hardened.runtime.page_tags import DecodePageTags
+from sglang_hardened.runtime.page_tags import seams
+from sglang_hardened.runtime.page_tags.rows import DecodePageTags
 from sglang_hardened.runtime.coverage import SHORTFALL
 from sglang_hardened.runtime.warmup import FAKE_BOOTSTRAP_HOST
 from sglang_hardened.runtime.outcomes import OutcomeLog, Verdicts

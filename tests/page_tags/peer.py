@@ -7,12 +7,12 @@ or real NIXL over UCX, DRAM, on 127.0.0.1).
 BACKEND is mooncake or nixl. PLAN (JSON): {"pages": N, "requests": [{"room", "dst", "src",
 "sent"}], "race"}; "sent" lists the indices into dst/src that the transfer carries (the
 rest are lost). The decode side (allocate, check) is the same for both; only how the rows move
-differs. NIXL runs the runtime's own adapters (`page_tags_nixl.register`, `send_tags`) on a
+differs. NIXL runs the runtime's own adapters (`page_tags.nixl.register`, `send_tags`) on a
 manager that holds just what they read.
 
 With "race", prefill sends two requests through the runtime's own seams
-(`page_tags_seams.register`, `before_send`, `tag_layer` for Mooncake;
-`page_tags_nixl.send_tags` for NIXL) so that the second stamp lands between the first one's
+(`page_tags.seams.register`, `before_send`, `tag_layer` for Mooncake;
+`page_tags.nixl.send_tags` for NIXL) so that the second stamp lands between the first one's
 stamp and its write: the interleavings two requests that share cached prefix pages can meet.
 "workers": from two threads, as two transfer workers serving two decode ranks do; "queued"
 (NIXL): from one worker, the first write still queued (`race_queued`).
@@ -34,7 +34,7 @@ import threading
 import types
 import uuid
 
-from sglang_hardened.runtime.page_tags import DecodePageTags, TagBuffer
+from sglang_hardened.runtime.page_tags.rows import DecodePageTags, TagBuffer
 
 
 def mooncake_engine(buffer: TagBuffer):
@@ -53,7 +53,7 @@ def nixl_manager(role: str):
     """A NIXL agent (UCX) with the runtime's tag buffer registered, as `NixlKVManager` has it."""
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from sglang_hardened.runtime import page_tags_nixl
+    from sglang_hardened.runtime.page_tags import nixl as page_tags_nixl
 
     agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=["UCX"]))
     kv_args = types.SimpleNamespace(kv_item_lens=[16], kv_data_lens=[16 * PLAN["pages"]], gpu_id=0, total_kv_head_num=1)
@@ -95,7 +95,7 @@ def mooncake_manager(decode_side: dict):
     `MooncakeKVManager` has it, and decode's tag rows as its one registered session."""
     from mooncake.engine import TransferEngine
 
-    from sglang_hardened.runtime import page_tags_seams
+    from sglang_hardened.runtime.page_tags import seams as page_tags_seams
 
     engine = TransferEngine()
     if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
@@ -137,7 +137,7 @@ def wait_done(agent, handles: list) -> None:
 def race_workers(backend: str, decode_side: dict) -> None:
     """Two transfer workers, one request each: the second stamps its pages after the first has
     stamped and before the first one's write reads its rows."""
-    from sglang_hardened.runtime import page_tags_nixl, page_tags_seams
+    from sglang_hardened.runtime.page_tags import nixl as page_tags_nixl, seams as page_tags_seams
 
     first_stamped, second_stamped = threading.Event(), threading.Event()
     rcs: list[int] = []
@@ -188,7 +188,7 @@ def race_queued(decode_side: dict) -> None:
     """One NIXL worker as on 0.5.23: each write joins its chunk's handles and nobody waits before
     the next chunk is stamped. The first write stays queued until its state is first asked for
     (the agent's post is deferred to then: a write behind others on a busy link)."""
-    from sglang_hardened.runtime import page_tags_nixl
+    from sglang_hardened.runtime.page_tags import nixl as page_tags_nixl
 
     manager, session = nixl_prefill(decode_side)
     agent, queued = manager.agent, set()
@@ -218,7 +218,7 @@ def sliced(decode_side: dict) -> None:
     a request's "sent" lists, per rank, the indices into dst/src that its transfer carries."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from sglang_hardened.runtime import page_tags_seams
+    from sglang_hardened.runtime.page_tags import seams as page_tags_seams
 
     session, heads, rcs = decode_side["session"], PLAN["heads"], []
     with ThreadPoolExecutor(2) as executor:
@@ -245,7 +245,7 @@ def prefill(backend: str) -> None:
         race_queued(decode_side)
         return
     if backend == "nixl":
-        from sglang_hardened.runtime import page_tags_nixl
+        from sglang_hardened.runtime.page_tags import nixl as page_tags_nixl
 
         manager, session = nixl_prefill(decode_side)
         handles: list = []
@@ -268,7 +268,7 @@ def prefill(backend: str) -> None:
 
 
 if __name__ == "__main__":
-    from sglang_hardened.runtime import page_tags_seams
+    from sglang_hardened.runtime.page_tags import seams as page_tags_seams
 
     # upstream's transfer queue count (4), given here: reading it from sglang costs this peer 3 s
     page_tags_seams.send_lanes = lambda: 4

@@ -18,7 +18,7 @@ from sglang_hardened.runtime.metrics import REFUSALS
 from sglang_hardened.runtime.policy import load_policy
 from tests.harness import REPO, catalogue
 
-RUNTIME_IMPORT = re.compile(r"^\+.*from sglang_hardened\.runtime import (\w+)", re.M)
+RUNTIME_IMPORT = re.compile(r"^\+.*from sglang_hardened\.runtime((?:\.\w+)*) import (\w+)", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +53,9 @@ def test_each_item_names_exactly_the_patches_and_bases_that_carry_its_id(items, 
 def test_the_runtime_modules_exist_and_cover_every_module_the_patches_import(items, patches):
     for item in items:
         assert all((REPO / path).exists() for path in item.runtime), item.id
-        imported = {f"sglang_hardened/runtime/{module}.py" for base in load_lock(patches)
+        imported = {f"sglang_hardened/runtime{package.replace('.', '/')}/{module}.py" for base in load_lock(patches)
                     for patch in load_series(patches, base).patches if patch.headers["Hardening-Id"] == item.id
-                    for module in RUNTIME_IMPORT.findall(patch.diff)}
+                    for package, module in RUNTIME_IMPORT.findall(patch.diff)}
         assert imported <= set(item.runtime), (item.id, imported - set(item.runtime))
 
 

@@ -24,9 +24,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sglang_hardened.common.knobs import PAGE_TAGS_COST_EVERY, PAGE_TAGS_FAIL_CLOSED
-from sglang_hardened.runtime.page_tags import (ROW_PATHS, DecodePageTags, PageTagMismatch,
+from sglang_hardened.runtime.page_tags.rows import (ROW_PATHS, DecodePageTags, PageTagMismatch,
                                                SourceTags, TagBuffer)
-from sglang_hardened.runtime.page_tags_cost import CostMeter, read_cost_lines
+from sglang_hardened.runtime.page_tags.cost import CostMeter, read_cost_lines
 from sglang_hardened.runtime.policy import load_limits
 from tests.harness import REPO
 

@@ -1,4 +1,4 @@
-"""H8 on NIXL 0.5.23 (sglang_hardened.runtime.page_tags_nixl): a lane's wait for its earlier
+"""H8 on NIXL 0.5.23 (sglang_hardened.runtime.page_tags.nixl): a lane's wait for its earlier
 tag writes before it restamps (the shared-prefix fix) must not let one stalled decode stop the lane.
 
 Stand-in: the agent's write states are set by the test (a write that stays in flight needs a
@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_hardened.runtime import nixl_drain, page_tags_nixl
-from sglang_hardened.runtime.page_tags import SourceTags
+from sglang_hardened.runtime import nixl_drain
+from sglang_hardened.runtime.page_tags import nixl as page_tags_nixl
+from sglang_hardened.runtime.page_tags.rows import SourceTags
 
 TIMEOUT_S = 0.3
 

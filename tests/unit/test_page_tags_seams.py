@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_hardened.runtime import page_tags_seams as seams
-from sglang_hardened.runtime.page_tags import DecodePageTags, SourceTags
+from sglang_hardened.runtime.page_tags import seams
+from sglang_hardened.runtime.page_tags.rows import DecodePageTags, SourceTags
 
 PAGE = 4
 ROOM = 7

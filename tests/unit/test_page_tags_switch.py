@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_hardened.common.knobs import PAGE_TAGS
-from sglang_hardened.runtime import page_tags_seams
-from sglang_hardened.runtime.page_tags_seams import make_tags
-from sglang_hardened.runtime.page_tags_switch import tags_on
+from sglang_hardened.runtime.page_tags import seams as page_tags_seams
+from sglang_hardened.runtime.page_tags.seams import make_tags
+from sglang_hardened.runtime.page_tags.switch import tags_on
 
 
 def test_on_unless_off():

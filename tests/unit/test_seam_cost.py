@@ -35,21 +35,23 @@ def every_seam() -> dict[str, set[str]]:
 
 
 def _definition(module: str, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
-    """Where ``module.name`` is defined in the runtime's source, following ``from .x import name``."""
-    for node in ast.parse((RUNTIME / f"{module}.py").read_text()).body:
+    """Where ``module.name`` is defined in the runtime's source (``module`` dotted under runtime),
+    following relative imports (``from .x import name``, ``from ..y import name``)."""
+    package = module.split(".")[:-1]
+    for node in ast.parse((RUNTIME / f"{module.replace('.', '/')}.py").read_text()).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
             return node
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and any(a.name == name for a in node.names):
-            return _definition(node.module or "", name)
+        if isinstance(node, ast.ImportFrom) and node.level and any(a.name == name for a in node.names):
+            return _definition(".".join([*package[:len(package) + 1 - node.level], node.module or ""]), name)
     return None
 
 
 def test_every_seam_the_patches_call_is_a_function_its_wrapper_times_whole(every_seam):
     """A coroutine or generator would be timed only while it is made; a context manager (H12's)
     is timed at its making, entry and exit."""
-    assert len(every_seam) > 40 and {"abort_match.aborts", "page_tags_seams.allocate"} <= set(every_seam)
+    assert len(every_seam) > 40 and {"abort_match.aborts", "page_tags.seams.allocate"} <= set(every_seam)
     for seam in [*every_seam, seam_cost.METRICS_SEAM]:
-        found = _definition(*seam.split("."))
+        found = _definition(*seam.rsplit(".", 1))
         assert isinstance(found, ast.FunctionDef), seam
         decorators = [ast.unparse(d) for d in found.decorator_list]
         generator = any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(found))
@@ -75,24 +77,12 @@ def test_a_context_manager_seam_times_its_entry_and_exit_not_the_body_and_keeps_
     assert calls == 2 and ns < 2_000_000
 
 
-def test_an_alias_names_the_module_its_own_file_imported():
-    """``hardened_tags`` is page_tags_seams in one upstream file and page_tags_nixl in another,
-    and a later patch may call through an import an earlier one added."""
-    first = ("--- a/x.py\n+++ b/x.py\n@@ -1,1 +1,2 @@\n a\n"
-             "+from sglang_hardened.runtime import page_tags_seams as hardened_tags\n"
-             "--- a/y.py\n+++ b/y.py\n@@ -1,1 +1,3 @@\n a\n"
-             "+from sglang_hardened.runtime import page_tags_nixl as hardened_tags\n+hardened_tags.carried(x)\n")
-    later = "--- a/x.py\n+++ b/x.py\n@@ -1,1 +1,2 @@\n a\n+    if hardened_tags.carried(y):\n"
-    assert runtime_seams([("H8", first), ("H9", later)]) == {"page_tags_nixl.carried": {"H8"},
-                                                             "page_tags_seams.carried": {"H9"}}
-
-
 def test_off_wraps_nothing_and_starts_nothing(every_seam):
     """Unset, the seams are the original functions, so the switch costs a call nothing."""
     threads = threading.active_count()
     assert seam_cost.install({}) is None and threading.active_count() == threads
     for seam in [*every_seam, seam_cost.METRICS_SEAM]:
-        module_name, name = seam.split(".")
+        module_name, name = seam.rsplit(".", 1)
         try:
             module = importlib.import_module(f"sglang_hardened.runtime.{module_name}")
         except ModuleNotFoundError:  # torch's modules: their seams are checked where torch is
@@ -100,7 +90,7 @@ def test_off_wraps_nothing_and_starts_nothing(every_seam):
         fn = getattr(module, name)
         code = getattr(fn, "__wrapped__", fn).__code__  # a context manager's: its generator function's
         assert not hasattr(fn, seam_cost.WRAPPED) and code.co_filename != seam_cost.__file__, seam
-        assert Path(code.co_filename).parent == RUNTIME.resolve(), seam  # its own or a runtime module's
+        assert RUNTIME.resolve() in Path(code.co_filename).parents, seam  # its own or a runtime module's
 
 
 def _busy(ns: int) -> None:

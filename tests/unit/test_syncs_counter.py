@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sglang_hardened.runtime.page_tags import TAG_WORDS, TorchRows
+from sglang_hardened.runtime.page_tags.rows import TAG_WORDS, TorchRows
 from sglang_hardened.sandbox.env import overlay_module
 
 syncs = overlay_module("sgl_syncs")
@@ -47,5 +47,5 @@ def test_h8s_check_on_the_torch_path_a_gpu_runs_is_one_sync_given_to_its_seam(mo
     idx = ops.gather_index(torch.arange(4, dtype=torch.int32))
     with syncs.counted():
         assert ops.bad_pages(idx, 5, 9) == 0
-    assert counts() == {("item", "page_tags.bad_pages"): 1}
+    assert counts() == {("item", "page_tags.rows.bad_pages"): 1}
     assert np.array_equal(rows[:, 1].numpy(), np.full(16, 9))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ..common.knobs import PAGE_TAGS
+from ...common.knobs import PAGE_TAGS
 
 
 

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..common.knobs import PAGE_TAGS_FAIL_CLOSED
-from . import metrics
-from .page_tags_cost import CostMeter
+from ...common.knobs import PAGE_TAGS_FAIL_CLOSED
+from .. import metrics
+from .cost import CostMeter
 
 # Rows a request can never match: rooms are >= 0 and epochs start at 1.
 UNSTAMPED = -1

@@ -1,4 +1,4 @@
-"""H8 seams: adapt SGLang's PD objects (Mooncake; NIXL's adapters are `page_tags_nixl`) to `page_tags`.
+"""H8 seams: adapt SGLang's PD objects (Mooncake; NIXL's adapters are `page_tags.nixl`) to `page_tags.rows`.
 
 Where the tags live and travel:
 - Both roles' Mooncake managers make a tag buffer beside the KV pool when
@@ -40,14 +40,14 @@ import struct
 import numpy as np
 import torch
 
-from ..common.knobs import PAGE_TAGS, PAGE_TAGS_FAIL_CLOSED
-from . import metrics
-from .rank_agreement import refused_elsewhere
-from .refusal import abort_before_decode
-from .warmup import FAKE_BOOTSTRAP_HOST
-from .page_tags import TAG_WORDS, DecodePageTags, PageTagMismatch, SourceTags, TagBuffer
-from .page_tags_switch import tags_on
-from .page_tags_cost import CostMeter
+from ...common.knobs import PAGE_TAGS, PAGE_TAGS_FAIL_CLOSED
+from .. import metrics
+from ..rank_agreement import refused_elsewhere
+from ..refusal import abort_before_decode
+from ..warmup import FAKE_BOOTSTRAP_HOST
+from .rows import TAG_WORDS, DecodePageTags, PageTagMismatch, SourceTags, TagBuffer
+from .switch import tags_on
+from .cost import CostMeter
 
 FRAME_MAGIC = b"sglang-hardened-H8:"  # one int64: an epoch (or an address, from a decode of one-slot rows)
 ROWS_MAGIC = b"sglang-hardened-H8-rows:"  # two int64s: decode's tag rows' address and a row's bytes

@@ -1,4 +1,4 @@
-"""H8 seams for the NIXL backend: the same tags, frames and check as Mooncake (`page_tags_seams`),
+"""H8 seams for the NIXL backend: the same tags, frames and check as Mooncake (`page_tags.seams`),
 moved by a NIXL agent.
 
 - Both roles' `NixlKVManager.register_buffer_to_engine` make the tag buffer (`register`) and
@@ -25,7 +25,7 @@ moved by a NIXL agent.
 
 Decode's tag buffer is taken to be the same kind of memory as prefill's (both CUDA, or both
 CPU): decode sends only its address. The decode-side seams (`allocate`, `refuse_untagged`,
-`release`) are backend-neutral and live in `page_tags_seams`.
+`release`) are backend-neutral and live in `page_tags.seams`.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from . import nixl_drain
-from .page_tags import SourceTags, TagBuffer
-from .page_tags_seams import before_send, carried, decode_rows, epoch_frame, make_tags, tags_frame
+from .. import nixl_drain
+from .rows import SourceTags, TagBuffer
+from .seams import before_send, carried, decode_rows, epoch_frame, make_tags, tags_frame
 
 __all__ = ["carried", "epoch_frame", "register", "send_tags", "tags_frame"]
 

@@ -24,8 +24,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..common.knobs import PAGE_TAGS_COST_EVERY
-from . import metrics
+from ...common.knobs import PAGE_TAGS_COST_EVERY
+from .. import metrics
 
 
 log = logging.getLogger("sglang_hardened")
@@ -36,7 +36,7 @@ Start = tuple[int, int] | None  # (perf_counter_ns, thread_time_ns) when meterin
 def cost_report_every() -> int:
     """Requests per cost line in this process: the env var, else the policy's default; 0 is off.
     Read when the tags are made (server start-up), so a bad value stops the server there."""
-    from .policy import knob_value
+    from ..policy import knob_value
 
     return knob_value(PAGE_TAGS_COST_EVERY)
 
