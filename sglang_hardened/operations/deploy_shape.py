@@ -97,7 +97,7 @@ def _server_container(template: dict) -> dict:
     return next((c for c in template.get("spec", {}).get("containers", []) if c["name"] == "server"), {})
 
 
-def _gateway(docs: list[dict]) -> tuple[dict, dict] | None:
+def gateway_deployment(docs: list[dict]) -> tuple[dict, dict] | None:
     """The gateway Deployment and its pod template."""
     for doc in docs:
         if doc["kind"] == "Deployment" and doc["spec"]["template"]["metadata"]["labels"].get(COMPONENT) == "gateway":
@@ -174,7 +174,7 @@ def judge_servers(docs: list[dict], where: str) -> list[Finding]:
                                    "server runs, and every request fails", "run at least one"))
             if server.size > 1:
                 out += _multinode(server, where)
-    gateway = _gateway(docs)
+    gateway = gateway_deployment(docs)
     if gateway is None:
         return out + [Finding("unsafe", f"{where} gateway", "no gateway Deployment in the rendered overlay",
                               "render the recipe's own overlay, or one built on ../base")]
@@ -274,7 +274,7 @@ def _gate(found: list[Server], template: dict, where: str) -> list[Finding]:
 
 def judge_rbac(docs: list[dict], where: str) -> list[Finding]:
     """The gateway's ServiceAccount may read pods in its namespace, and do nothing else."""
-    gateway = _gateway(docs)
+    gateway = gateway_deployment(docs)
     account = gateway[1]["spec"].get("serviceAccountName") if gateway else None
     if account is None:
         return []

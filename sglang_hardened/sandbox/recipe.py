@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..common.paths import cache_dir
 from ..operations import deploy_wiring
-from ..operations.deploy_shape import servers
+from ..operations.deploy_shape import gateway_deployment, servers
 from ..operations.deploy_wiring import pod_templates
 from ..operations.drain import held
 from ..operations.gateway_pool import KEY_ENV, pool
@@ -42,6 +42,7 @@ from .cluster import (
     ClusterParams,
     Proc,
     _alive,
+    _ended,
     child_env,
     cpu_flags,
     healthy,
@@ -53,6 +54,7 @@ from .cluster import (
 )
 from .env import SandboxEnv, SandboxError
 from .kube_api import KubeAPI
+from .servers import server_names
 
 RECIPE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 NAMESPACE = "sglang-hardened"  # the namespace the pods run in, as the API stand-in serves it
@@ -147,8 +149,8 @@ class Pod:
 
 @dataclass
 class Recipe:
-    """A recipe running on 127.0.0.0/8: its servers and gateway (as `lb`) in `cluster`, its pods,
-    and the API stand-in smg discovers them through."""
+    """A recipe running on 127.0.0.0/8: its servers and gateways (as `lb`, `lb-1`, ...) in
+    `cluster`, its pods, and the API stand-in smg discovers them through."""
 
     cluster: Cluster
     docs: list[dict]
@@ -187,6 +189,10 @@ class Recipe:
 
     def server_pods(self, role: str) -> list[Pod]:
         return sorted((p for p in self.pods.values() if p.component == role), key=lambda p: p.proc)
+
+    def gateways(self) -> list[Pod]:
+        """The gateway pods running, in the order they were first started (`lb` first)."""
+        return self.server_pods("gateway")
 
     def url(self, pod: Pod) -> str:
         return self.cluster.procs[pod.proc].url
@@ -244,34 +250,72 @@ class Recipe:
         self.admit(new)
         return new
 
-    def pool(self) -> dict[str, list[str]]:
-        """smg's pool, as the gate reads it (GET /workers with the admin key)."""
-        return pool(self.cluster.lb_url, timeout=10, key=self.container("gateway/gateway", "").env[KEY_ENV])
+    def pool(self, gateway: Pod | None = None) -> dict[str, list[str]]:
+        """The pool of `gateway`'s smg (by default the first gateway's), as the gate reads it
+        (GET /workers with the admin key)."""
+        url = self.url(gateway) if gateway else self.cluster.lb_url
+        return pool(url, timeout=10, key=self.container("gateway/gateway", "").env[KEY_ENV])
 
     def wait_pool(self, deadline_s: float = 120.0) -> None:
-        """Until smg's pool is exactly the Ready server pods (it reconciles on every watch event)."""
+        """Until every gateway's pool is exactly the Ready server pods (smg reconciles on every
+        watch event; each gateway watches on its own)."""
         want = {role: sorted(self.url(p) for p in self.server_pods(role)) for role in ("prefill", "decode")}
-        deadline, found = time.monotonic() + deadline_s, {}
-        while time.monotonic() < deadline:
-            try:
-                found = self.pool()
-            except Exception:  # noqa: BLE001 - an empty role refuses: smg is still adding
-                found = {}
-            if found == want:
-                return
-            time.sleep(0.5)
-        raise SandboxError(f"smg's pool is {found}, not the Ready pods {want}\n{self.cluster.log_tail('lb', 60)}")
+        deadline = time.monotonic() + deadline_s
+        for gateway in self.gateways():
+            found: dict = {}
+            while time.monotonic() < deadline:
+                try:
+                    found = self.pool(gateway)
+                except Exception:  # noqa: BLE001 - an empty role refuses: smg is still adding
+                    found = {}
+                if found == want:
+                    break
+                time.sleep(0.5)
+            else:
+                raise SandboxError(f"{gateway.name}'s smg pool is {found}, not the Ready pods {want}\n"
+                                   f"{self.cluster.log_tail(gateway.proc, 60)}")
 
     def held(self) -> dict[str, int]:
         """Requests and KV tokens each server holds now (zero on all: nothing leaked)."""
         return {p.proc: held(self.url(p)) for role in ("prefill", "decode") for p in self.server_pods(role)}
 
-    def run(self, container: Container, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
-        """A one-shot command of `container` (the gate's probe in the gateway pod, the canary), as it runs there."""
-        pods = [p for p in self.pods.values() if p.component == container.component]
+    def run(self, container: Container, argv: list[str], timeout_s: float,
+            pod: Pod | None = None) -> subprocess.CompletedProcess:
+        """A one-shot command of `container` (the gate's probe in a gateway pod, the canary), as it
+        runs in `pod` (by default the first of its component)."""
+        pods = [pod] if pod else [p for p in self.pods.values() if p.component == container.component]
         local = self.localize(argv, pods[0].ip if pods else "127.0.0.1")
         return subprocess.run(local, env={**os.environ, **container.env, "PATH": self.path},
                               capture_output=True, text=True, timeout=timeout_s, check=False)
+
+    def start_gateway(self, proc: str, deadline_s: float = 300.0) -> Pod:
+        """Schedule a gateway pod as `proc` (`lb`, `lb-1`, ...) and start its smg, as the pod runs
+        it: its Kubernetes client pointed at the API stand-in, with the ServiceAccount token the
+        pod would have mounted; return once a request through it is answered."""
+        template = pod_templates(self.docs)["gateway"]
+        self._last_ip += 1
+        pod = Pod(f"gateway-{uuid.uuid4().hex[:5]}", "gateway", f"{self._subnet}{self._last_ip}", proc,
+                  template["metadata"]["labels"], {}, template["spec"])
+        smg = self.container("gateway/gateway", pod.ip)
+        environ = {**child_env(self.env, self.cluster.params, self.cluster.run_id), **smg.env,
+                   "KUBECONFIG": str(self.api.kubeconfig(self.cluster.run_dir / "kubeconfig"))}
+        environ.pop("PYTHONPATH")  # as the sandbox runs every router: without SGLang on its path
+        self.pods[pod.name] = pod
+        _start(self, proc, self.localize(smg.argv, pod.ip), environ, f"http://{pod.ip}:{_http_port(template)}")
+        wait_ready(self.cluster, [proc], time.monotonic() + deadline_s, serves)
+        return pod
+
+    def lose(self, pod: Pod) -> str:
+        """The pod's node is lost: its processes are killed at once (no preStop hook, no grace),
+        and it is gone (its process too, so no later wait takes its exit for a failure). Returns
+        how its process ended."""
+        proc = self.cluster.procs.pop(pod.proc)
+        signal_group(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (how := _ended(proc.pid)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        del self.pods[pod.name]
+        return how or "still running"
 
     def stop(self) -> None:
         self.cluster.stop()
@@ -302,8 +346,9 @@ def _gateway_rules(docs: list[dict]) -> list[dict]:
 
 
 def start(env: SandboxEnv, docs: list[dict], deadline_s: float = 600.0) -> Recipe:
-    """Start every server pod the recipe's workloads ask for and its gateway; return once smg's
-    pool holds each server and a request through it is answered.
+    """Start every server pod the recipe's workloads ask for and its gateways (the Deployment's
+    replicas, each its own smg); return once each gateway's pool holds each server and a request
+    through each is answered.
 
     Its params name the sandbox's model and a transfer backend a CPU box runs (mooncake_tcp);
     on failure everything started is stopped and SandboxError carries the logs' tails.
@@ -329,8 +374,8 @@ def start(env: SandboxEnv, docs: list[dict], deadline_s: float = 600.0) -> Recip
         wait_ready(recipe.cluster, list(recipe.cluster.procs), t0 + deadline_s, healthy)
         for pod in list(recipe.pods.values()):
             recipe.admit(pod)
-        _start_gateway(recipe, run_dir)
-        wait_ready(recipe.cluster, ["lb"], t0 + deadline_s, serves)
+        for proc in server_names("lb", gateway_deployment(docs)[0]["spec"].get("replicas", 1)):
+            recipe.start_gateway(proc, max(1.0, t0 + deadline_s - time.monotonic()))
         recipe.wait_pool(max(1.0, t0 + deadline_s - time.monotonic()))
     except BaseException:
         recipe.stop()
@@ -339,21 +384,8 @@ def start(env: SandboxEnv, docs: list[dict], deadline_s: float = 600.0) -> Recip
     return recipe
 
 
-def _start_gateway(recipe: Recipe, run_dir: Path) -> None:
-    """smg, as the gateway pod runs it: its Kubernetes client pointed at the API stand-in, with
-    the ServiceAccount token the pod would have mounted."""
-    template = pod_templates(recipe.docs)["gateway"]
-    recipe._last_ip += 1
-    ip = f"{recipe._subnet}{recipe._last_ip}"
-    gateway = recipe.container("gateway/gateway", ip)
-    environ = {**child_env(recipe.env, recipe.cluster.params, recipe.cluster.run_id), **gateway.env,
-               "KUBECONFIG": str(recipe.api.kubeconfig(run_dir / "kubeconfig"))}
-    environ.pop("PYTHONPATH")  # as the sandbox runs every router: without SGLang on its path
-    recipe.pods["gateway"] = Pod("gateway", "gateway", ip, "lb", template["metadata"]["labels"], {}, template["spec"])
-    _start(recipe, "lb", recipe.localize(gateway.argv, ip), environ, f"http://{ip}:{_http_port(template)}")
-
-
 def _start(recipe: Recipe, name: str, argv: list[str], env: dict[str, str], url: str) -> None:
-    """Spawn one of the cluster's processes (a server, or the gateway as `lb`)."""
-    pid, log = spawn(name, argv, {**env, "PATH": recipe.path}, recipe.cluster.run_dir, append=name in recipe.cluster.procs)
+    """Spawn one of the cluster's processes (a server, or a gateway as `lb`, `lb-1`, ...); its log
+    goes on after its predecessor's under the same name (the run's folder is its own)."""
+    pid, log = spawn(name, argv, {**env, "PATH": recipe.path}, recipe.cluster.run_dir, append=True)
     recipe.cluster.procs[name] = Proc(name, pid, log, url, int(url.rsplit(":", 1)[1]), argv)
