@@ -28,24 +28,22 @@ Cost, measured 2026-12-06 on this 2-core host: the gate's selection (``scripts/t
 tests/e2e/test_batch_in_flight.py -k releases``) 207 s at a load of 16, two cluster starts 152 s of
 it (a start is 20-30 s on a quiet host), each case about 27 s; the whole module (``scripts/test
 tests/e2e/test_batch_in_flight.py``) 527-551 s at a load of 12-36, the starts 111-174 s each, the
-H3 and H8 case 85-109 s per build, H4's 11 s (hardened) and 31 s (upstream). The per-base loop
+H3 and H8 case 81-109 s per build, H4's 11 s (hardened) and 31 s (upstream). The per-base loop
 check runs in the weekly full matrix.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-import uuid
 
 import pytest
 
-from sglang_hardened.operations.oracle import Reply, generate
+from sglang_hardened.operations.oracle import Reply
 from sglang_hardened.sandbox.env import bases, overlay_module
 from sglang_hardened.sandbox.instruments import SLOW_S
 from sglang_hardened.sandbox.ledger import Ledger, wait_for
 
-from .inflight import InFlight, abort_request
+from .inflight import Busy, InFlight, beside_busy, in_flight_at
 from .scenarios import (FITTING_C, FULL_MATRIX, LAST_PAGE, LAST_PAGE_TOKENS, TIMEOUT_PARAMS, TRUNC_PREFILL_TOKENS,
                         observe_pair, observe_probes, prompt_of, replies, shows_nothing_decoded, wait_pages_idle)
 from .test_fault_matrix import PARAMS, Build, FaultCluster, on, prefill_stopped_past_the_release_timeout, \
@@ -57,7 +55,6 @@ pytestmark = pytest.mark.e2e
 
 OVERLAP_LOOPS = {"prefill": {"event_loop_overlap_disagg_prefill"}, "decode": {"event_loop_overlap_disagg_decode"}}
 BUILDS = [Build("0.5.23", "mooncake", hardened, mla=True, inflight=True) for hardened in (False, True)]
-BUSY_TOKENS = 800  # decoded one step per in-flight delay: longer than the case, which ends it
 FREED_WITHIN_S = 60  # the stalled room's pages are back by then (upstream: the timeout; hardened: the ack)
 faults = overlay_module("sgl_faults")
 # The injected faults hit transfers of two pages and more (one page: the readiness probe), so the
@@ -73,33 +70,6 @@ def fc(request, tmp_path_factory):
     fault_cluster.cluster.stop()
 
 
-class Busy:
-    """One long request through the load balancer, so decode's overlap loop runs a batch at every
-    pass until ``end`` aborts it on both roles."""
-
-    def __init__(self, fc: FaultCluster) -> None:
-        self.fc, self.rid, self.reply = fc, uuid.uuid4().hex, None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        deadline, held = time.monotonic() + 60, []
-        while len(set(held)) < 3 and time.monotonic() < deadline:  # until its KV grows: decode's batches run it
-            if (used := fc.cluster.used_tokens()["decode"]) > fc.idle["decode"]:
-                held.append(used)
-            time.sleep(0.2)
-        assert len(set(held)) >= 3, f"decode never ran the busy request: {held}"
-
-    def _run(self) -> None:
-        self.reply: Reply = generate(self.fc.cluster.lb_url, FITTING_C, BUSY_TOKENS, timeout=600,
-                                     extra={"rid": self.rid, "sampling_params": {
-                                         "temperature": 0.0, "max_new_tokens": BUSY_TOKENS, "ignore_eos": True}})
-
-    def end(self) -> Reply:
-        for role in ("decode", "prefill"):
-            abort_request(self.fc.cluster, role, self.rid)
-        self.thread.join(60)
-        return self.reply
-
-
 @pytest.mark.claim("H5", "upstream", params=["0.5.23-mooncake-upstream-mla-inflight"])
 @pytest.mark.claim("H5", "hardened", params=["0.5.23-mooncake-hardened-mla-inflight"])
 @on(BUILDS)
@@ -107,7 +77,7 @@ def test_decode_releases_beside_an_unfinished_batch(fc):
     """The stalled prefill's room, on MLA with decode's loop a batch ahead: upstream frees its
     pages under the write, hardened holds them until the write returned (the fault matrix's
     judgement); decode's first free of them came with a batch unfinished (the ledger's stamp)."""
-    busy = Busy(fc)
+    busy = Busy(fc.cluster, fc.idle["decode"])
 
     def settle(req: InFlight) -> None:
         deadline = time.monotonic() + FREED_WITHIN_S
@@ -136,27 +106,15 @@ PROBES = {"truncated": LAST_PAGE, "untagged": UNTAGGED, "control": FITTING_C}
 ENDED_WITHIN_S = SLOW_S + 20  # the slowed write, then H4's note; upstream's decode waits its 300 s timeout
 
 
-def beside_busy(fc: FaultCluster, prompt: str) -> Reply:
-    """The oracle's sender: a tenant's request as it is (one token: it only has to leave its KV in
-    decode's pages); each probe with a busy request decoding beside it, its fault on for it alone."""
-    if prompt not in PROBES.values():
-        return fc.cluster.generate(prompt, max_new_tokens=1)
-    busy = Busy(fc)
+def _probe(fc: FaultCluster, prompt: str) -> Reply:
+    """One of PROBES, its fault on for it alone; the client sees decode's answer."""
     fc.fault_file.write_text("drop-last-page" if prompt == UNTAGGED else "")
     try:
         if prompt == LAST_PAGE:
-            return observe_pair(fc.cluster, prompt, prefill_prompt=TRUNCATED)[1]  # the client sees decode's answer
+            return observe_pair(fc.cluster, prompt, prefill_prompt=TRUNCATED)[1]
         return fc.cluster.generate(prompt)
     finally:
         fc.fault_file.write_text("")
-        busy.end()
-
-
-def in_flight_at(ledger: Ledger, room: int) -> tuple[int, int]:
-    """The batches unfinished on decode when it exposed the room's pages, and when it first freed them."""
-    exposed = [e for e in ledger.of("expose") if e["room"] == room][-1]
-    frees = ledger.frees_of(room)
-    return exposed.get("in_flight", 0), frees[0].get("in_flight", 0) if frees else 0
 
 
 @pytest.mark.full
@@ -169,7 +127,7 @@ def test_decode_checks_pages_beside_an_unfinished_batch(fc):
     each, naming H3 and H8, with nothing decoded. Each probe's pages were exposed and freed with a
     batch in flight (the ledger's stamps), and no page is held after."""
     since = time.monotonic()  # the ledger's clock: the start's own short requests came before
-    v = observe_probes(fc.cluster, PROBES, lambda prompt: beside_busy(fc, prompt))
+    v = observe_probes(fc.cluster, PROBES, beside_busy(fc.cluster, lambda prompt: _probe(fc, prompt)))
     print({name: {label: v[name].outputs(label) for label in v[name].replies} for name in v})
     assert fc.cluster.log_tail("prefill", 10**6).count("SANDBOX PAGE FAULT drop-last-page:") >= 4
     assert all(r.status == 200 for r in replies(v["control"])) and not v["control"].leaked, v["control"].replies
@@ -202,7 +160,7 @@ def test_decode_ends_a_request_prefill_ended_beside_an_unfinished_batch(fc):
     never told: no answer within ENDED_WITHIN_S and the request's pages still held (the ledger: no
     free of them), until the client's abort; hardened decode answers an error with nothing decoded
     within it, its pages freed with a batch in flight. No page is freed under the write."""
-    busy = Busy(fc)
+    busy = Busy(fc.cluster, fc.idle["decode"])
     req = fc.catch_mid_transfer()
     req.read_answers(120)
     fc.abort("prefill", req.rid)
