@@ -22,15 +22,16 @@ stamped, and must be refused.
 Arms, interleaved in a random order each repeat:
 
 - ``upstream``: no check.
-- ``sync``: the check as the runtime runs it on CUDA (``DecodePageTags.check``, the torch row
-  path: a gather and two compares on the device, then the verdict read on the host, which waits
-  for it). Behind the barrier, it waits for the forward in flight: the host cannot prepare the
-  next step meanwhile.
-- ``async``: the same gather and compares (``TorchRows.matching``) left on the device, the verdict copied to pinned
-  memory with an event; read at a later iteration's admission once the event has completed
-  (``Event.query``, no wait), before the request joins a batch (its first decode step), so a
-  request may start a step later. What the runtime would need for the check to stay off the
-  loop's critical path (docs/performance.md).
+- ``sync``: the check as the runtime ran it on CUDA before it was split, and as
+  ``DecodePageTags.check`` still runs it: a gather and two compares on the device, then the
+  verdict read on the host, which waits for it. Behind the barrier, it waits for the forward in
+  flight: the host cannot prepare the next step meanwhile.
+- ``async``: the check as decode's loop runs it now (``page_tags_seams.verdict_pending``): the
+  same gather and compares queued on the device (``DecodePageTags.start_check``), the count
+  copied to pinned memory behind an event; the verdict read at a later iteration's admission
+  once the event has completed (``ready()``, no wait; ``DecodePageTags.verdict``), before the
+  request joins a batch (its first decode step), so a request may start a step later
+  (docs/performance.md).
 
 Reported: each arm's steps per second, the mean step, and each arm's ratio to ``upstream`` over
 the repeats (median, distribution-free interval), with the requests each arm refused. On CPU
@@ -52,7 +53,7 @@ import torch
 from stats import median_interval  # benchmarks/ is on sys.path when run as a script
 
 from sglang_hardened.common.table import format_table
-from sglang_hardened.runtime.page_tags.rows import TAG_WORDS, DecodePageTags
+from sglang_hardened.runtime.page_tags.rows import TAG_WORDS, DecodePageTags, PendingCount
 
 ARMS = ("upstream", "sync", "async")
 
@@ -74,20 +75,10 @@ class Streams:
             waiting.wait_stream(waited)
 
     def event(self):
-        """A recorded event on the current stream (CPU: one that has always completed)."""
-        if not self.cuda:
-            return _Done()
-        event = torch.cuda.Event()
+        """A recorded event on the current stream (CPU: torch.cpu's, done when recorded)."""
+        event = (torch.cuda.Event if self.cuda else torch.cpu.Event)()
         event.record()
         return event
-
-
-class _Done:
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
 
 
 @dataclass
@@ -101,7 +92,7 @@ class Loop:
     weights: list[torch.Tensor] = field(init=False)
     x: torch.Tensor = field(init=False)
     next_tokens: torch.Tensor = field(init=False)
-    pending: list[tuple[int, object, torch.Tensor]] = field(default_factory=list)  # async: (room, event, verdict)
+    pending: list[tuple[int, PendingCount]] = field(default_factory=list)  # async: (room, its count on the way)
     refused: int = 0
     admitted: int = 0
 
@@ -136,21 +127,16 @@ class Loop:
         if arm == "sync":
             self._verdict(self.tags.check(room, pages) is None)
         elif arm == "async":
-            ok = self.tags.buffer.ops.matching(pages, room, self.tags.expected[room]).all()
-            verdict = torch.empty((), dtype=torch.bool, pin_memory=self.streams.cuda)
-            verdict.copy_(ok, non_blocking=True)
-            self.pending.append((room, self.streams.event(), verdict))
+            self.pending.append((room, self.tags.start_check(room, pages)))
 
     def read_verdicts(self, wait: bool = False) -> None:
-        """Async: the verdicts whose copies have completed (all of them, waiting, with ``wait``)."""
+        """Async: the verdicts whose counts are on the host (all of them, waiting, with ``wait``)."""
         still = []
-        for room, event, verdict in self.pending:
-            if wait:
-                event.synchronize()
-            if event.query():
-                self._verdict(bool(verdict))
+        for room, count in self.pending:
+            if wait or count.ready():
+                self._verdict(self.tags.verdict(room, count) is None)
             else:
-                still.append((room, event, verdict))
+                still.append((room, count))
         self.pending = still
 
     def _verdict(self, ok: bool) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import tempfile
+from itertools import chain, repeat
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -60,25 +61,38 @@ def test_one_rank_or_no_group_keeps_its_own_verdict():
     assert any_rank([True, False], (None,)) == [True, False] and any_rank([], ()) == []
 
 
-def _check_with_rank_one_short(rank: int, group: dist.ProcessGroup) -> list[str]:
+def _check_with_rank_one_short(rank: int, group: dist.ProcessGroup, late: bool = False) -> tuple[list[str], int]:
     """Each rank's H8 check of one request whose transfer wrote all three pages on rank 0 and
-    two on rank 1 (one rank's transfer dropped a page); what each rank aborted with."""
+    two on rank 1 (one rank's transfer dropped a page): what each rank aborted with, and how many
+    polls it skipped the request. With ``late``, rank 1 runs the torch path with its count not
+    yet on the host at the first poll (its event a stand-in, done from its second query: on CPU
+    torch's is done when recorded)."""
     aborted: list[str] = []
     seams.abort_before_decode = lambda _req, reason: aborted.append(reason)  # a forked rank's own copy
-    tags = DecodePageTags(16)
+    tags = DecodePageTags(16, path="torch" if late else None)
+    if late and rank == 1:
+        queries = chain((False,), repeat(True))
+        tags.event = lambda: SimpleNamespace(record=lambda: None, query=lambda: next(queries))
     dreq = decode_req(tags, prompt=10)  # 3 pages: slots 8..19 -> pages 2, 3, 4
     seams.allocate(dreq, [2, 3, 4])
     tags.buffer.stamp([2, 3, 4] if rank == 0 else [2, 3], ROOM, dreq.hardened_epoch)
     queue = transfer_queue(torch.arange(8, 24).unsqueeze(0).clone())
     queue.gloo_group = group
-    assert seams.refuse_untagged(queue, dreq) == bool(aborted)
-    return aborted
+    skipped = 0
+    while seams.verdict_pending(queue, dreq):
+        skipped += 1
+    assert seams.refuse_untagged(dreq) == bool(aborted)
+    return aborted, skipped
 
 
-def test_pages_short_on_one_rank_abort_the_request_on_every_rank():
-    on_rank0, on_rank1 = on_ranks(_check_with_rank_one_short)
+@pytest.mark.parametrize("late", [False, True])
+def test_pages_short_on_one_rank_abort_the_request_on_every_rank(late):
+    """And with one rank's verdict later than the other's, both wait for it: neither commits nor
+    aborts alone."""
+    (on_rank0, skipped0), (on_rank1, skipped1) = on_ranks(lambda rank, group: _check_with_rank_one_short(rank, group, late))
     assert on_rank1 and "1 of its 3 pages" in on_rank1[0]
     assert on_rank0 and "another tensor-parallel rank" in on_rank0[0], "rank 0 would decode what rank 1 aborted"
+    assert skipped0 == skipped1 == int(late)
 
 
 def _coverage(stated: tuple[bool, bool]) -> Callable[[int, dist.ProcessGroup], list[str]]:

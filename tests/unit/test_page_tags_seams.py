@@ -34,6 +34,13 @@ def transfer_queue(req_to_token: torch.Tensor):
     return SimpleNamespace(scheduler=SimpleNamespace(page_size=PAGE, req_to_token_pool=pool))
 
 
+def commit(queue, dreq) -> bool:
+    """What decode's loop runs for a transferred request, the check's two seams in a row (its
+    verdict ready at once: numpy, or torch on CPU); whether it was refused."""
+    assert not seams.verdict_pending(queue, dreq)
+    return seams.refuse_untagged(dreq)
+
+
 @pytest.fixture
 def aborted(monkeypatch) -> list[str]:
     seen: list[str] = []
@@ -102,7 +109,7 @@ def test_check_reads_the_page_table_and_releases(aborted):
     req_to_token = torch.arange(8, 8 + 16).unsqueeze(0).clone()
     seams.allocate(dreq, [2, 3, 4])
     tags.buffer.stamp([2, 3, 4], ROOM, dreq.hardened_epoch)  # what the transfer carries
-    assert not seams.refuse_untagged(transfer_queue(req_to_token), dreq) and not aborted
+    assert not commit(transfer_queue(req_to_token), dreq) and not aborted
     assert ROOM not in tags.expected and tags.buffer.rows[2].tolist() == [-1, -1]  # released
 
 
@@ -111,12 +118,12 @@ def test_a_page_the_transfer_did_not_write_is_refused(aborted):
     dreq = decode_req(tags, prompt=10)
     seams.allocate(dreq, [2, 3, 4])
     tags.buffer.stamp([2, 3], ROOM, dreq.hardened_epoch)
-    assert seams.refuse_untagged(transfer_queue(torch.arange(8, 24).unsqueeze(0).clone()), dreq)
+    assert commit(transfer_queue(torch.arange(8, 24).unsqueeze(0).clone()), dreq)
     assert "1 of its 3 pages" in aborted[0]
 
 
 def test_no_allocation_means_refusal(aborted):
-    assert seams.refuse_untagged(transfer_queue(torch.arange(8, 24).unsqueeze(0)), decode_req(DecodePageTags(16), 10))
+    assert commit(transfer_queue(torch.arange(8, 24).unsqueeze(0)), decode_req(DecodePageTags(16), 10))
     assert "no pages were given to check" in aborted[0]
 
 
@@ -134,10 +141,10 @@ def test_fail_closed_refuses_clean_requests_after_a_mismatch(aborted):
     queue = transfer_queue(torch.arange(8, 24).unsqueeze(0).clone())
     bad, clean = decode_req(tags, 10), decode_req(tags, 10)
     seams.allocate(bad, [2, 3, 4])
-    assert seams.refuse_untagged(queue, bad)
+    assert commit(queue, bad)
     seams.allocate(clean, [2, 3, 4])
     tags.buffer.stamp([2, 3, 4], ROOM, clean.hardened_epoch)
-    assert seams.refuse_untagged(queue, clean) and "stopped admitting" in aborted[1]
+    assert commit(queue, clean) and "stopped admitting" in aborted[1]
 
 
 @pytest.mark.parametrize("backend,prefill_tp,mla,named", [("nixl", 2, False, True), ("mooncake", 2, False, False),
@@ -152,7 +159,7 @@ def test_a_refusal_between_unequal_tp_sizes_over_nixl_names_them(aborted, backen
     manager.hardened_tags, manager.attn_tp_size, manager.is_mla_backend = tags, 1, mla
     dreq.kv_receiver.prefill_info = SimpleNamespace(attn_tp_size=prefill_tp)
     seams.allocate(dreq, [2, 3, 4])
-    assert seams.refuse_untagged(transfer_queue(torch.arange(8, 24).unsqueeze(0).clone()), dreq)
+    assert commit(transfer_queue(torch.arange(8, 24).unsqueeze(0).clone()), dreq)
     assert ("prefill runs attention TP 2, this decode 1" in aborted[0]) == named, aborted
 
 

@@ -3,10 +3,9 @@ counts as a host-device synchronisation, and to which seam it gives each."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from sglang_hardened.runtime.page_tags.rows import TAG_WORDS, TorchRows
+from sglang_hardened.runtime.page_tags.rows import DecodePageTags
 from sglang_hardened.sandbox.env import overlay_module
 
 syncs = overlay_module("sgl_syncs")
@@ -36,16 +35,22 @@ def test_reads_of_values_on_the_host_are_counted_and_other_ops_are_not(monkeypat
     assert not hasattr(torch.Tensor.tolist, "__wrapped__"), "the copy methods are put back"
 
 
-def test_h8s_check_on_the_torch_path_a_gpu_runs_is_one_sync_given_to_its_seam(monkeypatch):
-    """What CUDA runs for H8's check (TorchRows; the CPU servers run numpy views): one wait per
-    request, its verdict read on the host, counted as the runtime's (before, torch.equal's, and a
-    row made on the host and copied to the device, which waits for the stream too)."""
+def test_h8s_check_on_the_torch_path_a_gpu_runs_waits_for_nothing_on_decodes_loop(monkeypatch):
+    """What CUDA runs for H8's check on decode's loop (the torch row path; the CPU servers run
+    numpy views): the gather and compares queued on the device, the count copied to host memory
+    behind an event, and once the event has completed, the count read from host memory: nothing
+    counted, refused or not. The verdict read on the host as it was before (``bool`` of the
+    compare on the device) is one wait, and the counter sees it."""
     monkeypatch.setattr(syncs, "_counts", {})
-    rows = torch.full((16, TAG_WORDS), 0, dtype=torch.int64)
-    rows[:, 0], rows[:, 1] = 5, 9
-    ops = TorchRows(rows)
-    idx = ops.gather_index(torch.arange(4, dtype=torch.int32))
+    tags = DecodePageTags(16, path="torch")
+    epoch = tags.allocate(5, [0, 1, 2, 3])
+    tags.buffer.stamp([0, 1, 2], 5, epoch)
     with syncs.counted():
-        assert ops.bad_pages(idx, 5, 9) == 0
-    assert counts() == {("item", "page_tags.rows.bad_pages"): 1}
-    assert np.array_equal(rows[:, 1].numpy(), np.full(16, 9))
+        for pages in ([0, 1, 2], [0, 1, 2, 3]):
+            count = tags.start_check(5, torch.tensor(pages, dtype=torch.int32))
+            assert count.ready() and (tags.verdict(5, count) is None) == (len(pages) == 3)
+    assert counts() == {}
+    idx = torch.arange(4)
+    with syncs.counted():
+        assert not bool(tags.buffer.ops.matching(idx, 5, epoch).all())
+    assert counts() == {("item", "upstream"): 1}

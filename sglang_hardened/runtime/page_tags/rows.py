@@ -18,17 +18,21 @@ no request carries (rooms are non-negative; epochs start at 1). Decode never
 stamps its own rows: only data that travelled can vouch for itself.
 
 The check is O(pages) integer work in one vectorised compare, on the KV
-pool's device, and one device-to-host sync per request. Two implementations
-of the row operations share the rows' memory and one test suite: torch ops on
-a GPU (what `benchmarks/gpu_page_tags.py` measures), numpy views on CPU, where
-each torch call's fixed dispatch cost is most of the work (docs/page-tags.md).
+pool's device. Two implementations of the row operations share the rows'
+memory and one test suite: torch ops on a GPU (what
+`benchmarks/gpu_page_tags.py` measures), numpy views on CPU, where each torch
+call's fixed dispatch cost is most of the work (docs/page-tags.md). On the
+torch path the check's count is copied to host memory behind an event
+(`PendingCount`), so decode's loop reads its verdict once the device has
+written it rather than waiting for the device (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -87,13 +91,10 @@ class TorchRows:
         got = self.rows.index_select(0, idx)
         return got[:, 0::TAG_WORDS].eq(room).logical_and_(got[:, 1::TAG_WORDS].eq(epoch)).all(dim=1)
 
-    def bad_pages(self, idx: torch.Tensor, room: int, epoch: int) -> int:
-        """Pages among `idx` with a slot that is not (room, epoch): 0 with one wait for the
-        device (the verdict read on the host); only a refusal pays for counting."""
-        matching = self.matching(idx, room, epoch)
-        if bool(matching.all()):
-            return 0
-        return int(matching.logical_not().sum())
+    def count_matching(self, idx: torch.Tensor, room: int, epoch: int) -> torch.Tensor:
+        """How many pages among `idx` match, as a 0-d int64 tensor left on the device: what
+        `PendingCount` copies to the host (one word, whatever the verdict)."""
+        return self.matching(idx, room, epoch).sum()
 
 
 class NumpyRows:
@@ -143,6 +144,86 @@ def row_path(device: torch.device, path: str | None) -> str:
     if chosen not in ROW_PATHS or (chosen == "numpy" and device.type != "cpu"):
         raise ValueError(f"page tag path {chosen!r} cannot run on {device}: torch anywhere, numpy on CPU")
     return chosen
+
+
+class Counted:
+    """A check's count of bad pages, on the host at once (the numpy path: numpy reads the rows
+    where they are)."""
+
+    def __init__(self, pages: int, bad: int) -> None:
+        self.pages, self._bad = pages, bad
+
+    def ready(self) -> bool:
+        return True
+
+    def bad(self) -> int:
+        return self._bad
+
+
+Slot = tuple[torch.Tensor, np.ndarray]  # one int64: the device copy's target, and its host view
+
+
+class HostSlots:
+    """Host memory the torch path's counts are copied to, one int64 per check in flight: pinned
+    on CUDA, so the copy is queued on the stream and the host does not wait for it, and read
+    through a numpy view, a read of host memory that involves neither torch nor the device. A
+    slot given back before its copy has landed is reused only once its event has completed: a
+    reused slot must not be overwritten by an earlier check's late copy."""
+
+    GROW = 64  # slots made at a time: made with the buffer, so the loop rarely makes any
+
+    def __init__(self, device: torch.device) -> None:
+        self._pinned = device.type == "cuda"
+        self._free: list[Slot] = []
+        self._landing: list[tuple[Slot, object]] = []  # given back with their copy's event
+        self._grow()
+
+    def _grow(self) -> None:
+        slab = torch.empty(self.GROW, dtype=torch.int64, pin_memory=self._pinned)
+        host = slab.numpy()  # the same memory
+        self._free.extend((slab[i], host[i:i + 1]) for i in range(self.GROW))
+
+    def take(self) -> Slot:
+        if not self._free:
+            landing, self._landing = self._landing, []
+            for slot, event in landing:
+                if event.query():
+                    self._free.append(slot)
+                else:
+                    self._landing.append((slot, event))
+        if not self._free:
+            self._grow()
+        return self._free.pop()
+
+    def give(self, slot: Slot, event) -> None:
+        self._landing.append((slot, event))
+
+
+class PendingCount:
+    """The torch path's count, on its way to the host: the matching pages' count (a 0-d tensor
+    on the rows' device) copied without blocking to a host slot, and an event recorded behind
+    the copy on the current stream. `ready` asks the event (no wait); `bad` reads the slot,
+    waiting for the event only if asked before it completed (`DecodePageTags.check`, and tests).
+    The slot goes back when the count is read or dropped unread (a request released first)."""
+
+    def __init__(self, slots: HostSlots, pages: int, matching: torch.Tensor, event: Callable[[], object]) -> None:
+        self.pages, self._bad = pages, None
+        self._slot = slot = slots.take()
+        slot[0].copy_(matching, non_blocking=True)
+        self._event = event()
+        self._event.record()
+        self._give_back = weakref.finalize(self, slots.give, slot, self._event)
+
+    def ready(self) -> bool:
+        return self._bad is not None or self._event.query()
+
+    def bad(self) -> int:
+        if self._bad is None:
+            if not self._event.query():
+                self._event.synchronize()  # only where both halves run at once (`check`)
+            self._bad = self.pages - int(self._slot[1][0])
+            self._give_back()
+        return self._bad
 
 
 class TagBuffer:
@@ -246,14 +327,20 @@ class DecodePageTags:
     to prefill with the page indices); `release` wherever decode frees a
     request's pages (finish, abort, retraction: a retracted request that comes
     back is allocated again and gets a new epoch); `check` before the first
-    decode step of a newly transferred request; `admit` where decode admits a
-    request.
+    decode step of a newly transferred request, in two halves on decode's loop
+    (`start_check` once its transfer succeeded, `verdict` once `ready()`); `admit` where decode
+    admits a request.
     """
 
     def __init__(self, num_pages: int, device: torch.device | str = "cpu",
                  fail_closed: bool | None = None, path: str | None = None, heads: int = 1) -> None:
         self.buffer = TagBuffer(num_pages, device, path=path, heads=heads)
         self._ops = self.buffer.ops
+        if self.buffer.path == "torch":
+            self._slots = HostSlots(self.buffer.device)
+            # The device's event type; on CPU torch.cpu's, done when recorded (the stand-in
+            # there: every CPU op has finished on return), as upstream's scheduler uses it.
+            self.event: Callable[[], object] = torch.get_device_module(self.buffer.device).Event
         self.fail_closed = PAGE_TAGS_FAIL_CLOSED.get() if fail_closed is None else fail_closed
         self.expected: dict[int, int] = {}
         self._allocated: dict[int, Index] = {}  # room -> its current allocation's pages, for release
@@ -284,26 +371,37 @@ class DecodePageTags:
             self._ops.clear(idx)
         self.cost.add("release", start, 1, 0 if idx is None else len(idx))
 
-    def check(self, room: int, pages: Pages) -> str | None:
-        """None if every page carries (room, its current epoch); else the abort message.
-
-        One gather and one compare with the expected row (on a GPU, the one
-        device-to-host sync per request).
-        """
+    def start_check(self, room: int, pages: Pages) -> Counted | PendingCount:
+        """Compare the rows of `pages` with (room, its current epoch): the count of pages that do
+        not match, on the host at once (numpy) or on its way there (torch: no wait for the
+        device). One gather and one compare with the expected row."""
         start = self.cost.start()
         idx = self._ops.gather_index(pages)
-        verdict = self._verdict(room, idx)
-        self.cost.add("check", start, 1, len(idx))
-        return verdict
-
-    def _verdict(self, room: int, idx: Index) -> str | None:
-        """`check` on page indices already fit for the gather."""
-        if not len(idx):
-            return self._mismatch(room, 0, 0)
         epoch = self.expected.get(room)
-        # A room with no current allocation expects UNSTAMPED-1: no row can hold it.
-        bad = self._ops.bad_pages(idx, room, UNSTAMPED - 1 if epoch is None else epoch)
-        return None if bad == 0 else self._mismatch(room, bad, len(idx))
+        epoch = UNSTAMPED - 1 if epoch is None else epoch  # no current allocation: no row can hold it
+        if not len(idx):
+            count: Counted | PendingCount = Counted(0, 0)
+        elif isinstance(self._ops, TorchRows):
+            count = PendingCount(self._slots, len(idx), self._ops.count_matching(idx, room, epoch), self.event)
+        else:
+            count = Counted(len(idx), self._ops.bad_pages(idx, room, epoch))
+        self.cost.add("check", start, 1, len(idx))
+        return count
+
+    @staticmethod
+    def fails(count: Counted | PendingCount) -> bool:
+        """Whether a started check fails (no pages, or a page not the room's); counts nothing."""
+        return not count.pages or count.bad() > 0
+
+    def verdict(self, room: int, count: Counted | PendingCount) -> str | None:
+        """None if every page of a started check carried (room, epoch); else the abort message,
+        the mismatch counted and the policy applied."""
+        return self._mismatch(room, count.bad(), count.pages) if self.fails(count) else None
+
+    def check(self, room: int, pages: Pages) -> str | None:
+        """`start_check` and its `verdict` at once: the torch path waits for the device (a
+        decode's loop runs the two halves apart; the tests and the prefill peer, this)."""
+        return self.verdict(room, self.start_check(room, pages))
 
     def _mismatch(self, room: int, bad: int, pages: int) -> str:
         """Count one failed request, apply the policy, and say what failed."""

@@ -23,8 +23,10 @@ Where the tags live and travel:
   (`slice_tags`): a decode page is vouched for only when every prefill rank
   that writes part of it wrote its part.
 - Decode checks the pages in the request's page table before its first
-  decode step (`refuse_untagged`) and forgets the epoch there or when the
-  request is released before it (`release`). With tensor parallelism each
+  decode step: it starts the check once the transfer succeeded and reads the
+  verdict once the device has written it (`verdict_pending`), and acts on it
+  where upstream commits the transfer (`refuse_untagged`); it forgets the
+  epoch there or when the request is released before it (`release`). With tensor parallelism each
   rank checks its own shard, and a refusal on any rank is every rank's
   (`rank_agreement`).
 
@@ -42,7 +44,7 @@ import torch
 
 from ...common.knobs import PAGE_TAGS, PAGE_TAGS_FAIL_CLOSED
 from .. import metrics
-from ..rank_agreement import refused_elsewhere
+from ..rank_agreement import any_rank
 from ..refusal import abort_before_decode
 from ..warmup import FAKE_BOOTSTRAP_HOST
 from .rows import TAG_WORDS, DecodePageTags, PageTagMismatch, SourceTags, TagBuffer
@@ -252,24 +254,51 @@ def _page_table(transfer_queue, req, pages: int, page_size: int) -> torch.Tensor
     return transfer_queue.scheduler.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:length]
 
 
-def refuse_untagged(transfer_queue, decode_req) -> bool:
-    """Seam in decode's `_commit_transfer_to_req`, next to H3's: refuse the request (True: the
-    caller returns) unless every page it is about to read carries its (room, epoch)."""
+def verdict_pending(transfer_queue, decode_req, rids_to_check=None) -> bool:
+    """Seam in decode's `pop_transferred`, right before `_commit_transfer_to_req` of a request
+    whose transfer succeeded: start H8's check on the first such poll (on a GPU: a gather and a
+    compare queued on the pool's device, the count copied to pinned memory behind an event), and
+    True (the caller skips the request this time; it stays in the transfer queue, its poll still
+    a success) until the count is on the host on every rank, so the loop never waits for the
+    device here; upstream skips a request whose HiCache restore is pending the same way. Then
+    every rank's verdict is shared (each checks its own shard of the pages: all abort, or none,
+    else decode's ranks diverge), for `refuse_untagged` to act on. With pipeline parallelism
+    (`rids_to_check`: the stages agreed which requests leave this poll) it waits for the count,
+    as before: a stage that skipped what the others commit would diverge from them."""
     req = decode_req.req
     tags = _decode_tags(decode_req)
     if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or tags is None:
         return False
-    page_size = transfer_queue.scheduler.page_size
-    slots = _page_table(transfer_queue, req, len(getattr(decode_req, "hardened_pages", ())), page_size)
+    count = getattr(decode_req, "hardened_count", None)
+    if count is None:
+        page_size = transfer_queue.scheduler.page_size
+        slots = _page_table(transfer_queue, req, len(getattr(decode_req, "hardened_pages", ())), page_size)
+        # A page's index is its first slot over the page size; one-token pages are their slots.
+        pages = slots if page_size == 1 else slots[::page_size] // page_size
+        count = decode_req.hardened_count = tags.start_check(req.bootstrap_room, pages)
+    ready = rids_to_check is not None or count.ready()
+    refused_here = ready and (tags.closed_reason is not None or tags.fails(count))
+    # one collective a poll, on every rank, refusing or not (never behind a short-circuit)
+    waiting, refused = any_rank([not ready, refused_here], (getattr(transfer_queue, "gloo_group", None),))
+    decode_req.hardened_other_rank = refused and not refused_here
+    return waiting
+
+
+def refuse_untagged(decode_req) -> bool:
+    """Seam in decode's `_commit_transfer_to_req`, next to H3's: refuse the request (True: the
+    caller returns) unless every page it is about to read carries its (room, epoch) on every
+    rank: the verdict `verdict_pending` started and shared, read from host memory."""
+    req = decode_req.req
+    tags = _decode_tags(decode_req)
+    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or tags is None:
+        return False
     try:
         tags.admit()
-        # A page's index is its first slot over the page size; one-token pages are their slots.
-        reason = tags.check(req.bootstrap_room, slots if page_size == 1 else slots[::page_size] // page_size)
+        reason = tags.verdict(req.bootstrap_room, decode_req.hardened_count)
     except PageTagMismatch as closed:
         reason = str(closed)
     release(decode_req)
-    # every rank checks its own shard of the pages; all abort, or none (else decode's ranks diverge)
-    if refused_elsewhere(reason is not None, transfer_queue):
+    if reason is None and decode_req.hardened_other_rank:
         reason = OTHER_RANK.format(room=req.bootstrap_room)
         log.error(reason)
         metrics.refused("H8", "decode", "another_rank")
@@ -304,4 +333,4 @@ def release(decode_req) -> None:
     room, epoch = decode_req.req.bootstrap_room, getattr(decode_req, "hardened_epoch", None)
     if tags is not None and epoch is not None and tags.expected.get(room) == epoch:
         tags.release(room)  # not if the room has been allocated again since
-    decode_req.hardened_epoch = None
+    decode_req.hardened_epoch = decode_req.hardened_count = None  # a check still pending is dropped
