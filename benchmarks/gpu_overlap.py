@@ -26,7 +26,7 @@ Arms, interleaved in a random order each repeat:
   ``DecodePageTags.check`` still runs it: a gather and two compares on the device, then the
   verdict read on the host, which waits for it. Behind the barrier, it waits for the forward in
   flight: the host cannot prepare the next step meanwhile.
-- ``async``: the check as decode's loop runs it now (``page_tags_seams.verdict_pending``): the
+- ``async``: the check as decode's loop runs it now (``page_tags.seams.verdict_pending``): the
   same gather and compares queued on the device (``DecodePageTags.start_check``), the count
   copied to pinned memory behind an event; the verdict read at a later iteration's admission
   once the event has completed (``ready()``, no wait; ``DecodePageTags.verdict``), before the

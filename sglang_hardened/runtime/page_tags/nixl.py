@@ -24,7 +24,7 @@ moved by a NIXL agent.
   the room fails, and decode releases (resets) the rows without checking them.
 
 Decode's tag buffer is taken to be the same kind of memory as prefill's (both CUDA, or both
-CPU): decode sends only its address. The decode-side seams (`allocate`, `refuse_untagged`,
+CPU): decode sends only its address. The decode-side seams (`allocate`, `verdict_pending`, `refuse_untagged`,
 `release`) are backend-neutral and live in `page_tags.seams`.
 """
 
