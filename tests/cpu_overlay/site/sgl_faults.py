@@ -18,8 +18,8 @@ request frees exactly the pages its page table holds.
   its tag row, which travels in the same ``send_kvcache`` call (between unequal
   TP sizes, the rank's head slice of the page and its heads' tag slots, in the
   same ``send_kvcache_slice``). Decode reads whatever that page held before.
-- ``stale-page-index`` (decode, right before the landed transfer is committed
-  to the request): the request's first transferred page is swapped in its page
+- ``stale-page-index`` (decode, at the first poll that finds the transfer
+  done, before H8's check starts and the transfer is committed): the request's first transferred page is swapped in its page
   table for a page taken from the free list, whose bytes hold whatever tenant
   used it last, and the original is freed. The request owns the stale page;
   its transfer wrote the original.
@@ -237,7 +237,8 @@ def sending(allocator, req_to_token_pool, decode_req, page_indices) -> None:
 
 
 def committing(scheduler, decode_req) -> None:
-    """Decode, right before the landed transfer is committed to the request (H8's check)."""
+    """Decode, at the first poll that finds the request's transfer done: before H8's check
+    starts there (hardened) and upstream commits the transfer (both builds)."""
     page = getattr(decode_req, "sandbox_stale_page", None)
     if page is not None:
         decode_req.sandbox_stale_page = None
