@@ -21,7 +21,9 @@ def test_series_rebased_onto_0_5_21_passes_the_oversized_prompt_scenario(start_c
     drop_ids("0.5.20", "H8")  # its seams are per-base variants (tests/integration/test_rebase.py)
     drop_patches("0.5.20", "0023-h5-nixl-drain-ack-after-writes-settle.patch",  # likewise,
                  "0024-h5-backport-nixl-rejected-post.patch",  # what builds on it,
-                 "0033-h5-hold-and-release-together-across-ranks.patch")  # and H5's rank agreement
+                 "0033-h5-hold-and-release-together-across-ranks.patch",  # and H5's rank agreement
+                 "0040-h14-authenticate-bootstrap-registrations.patch",  # each base's copy made by hand
+                 "0041-h15-abort-only-the-named-request.patch")  # (tests/integration/test_rebase.py)
     with phase("rebase 0.5.20 -> 0.5.21"):
         result = rebase(tree_copy, "0.5.20", "0.5.21")
     # upstream's own changes, backported: H1's admission check and H5's deferred release (0.5.21)
