@@ -37,7 +37,8 @@ ROLES = ("prefill", "decode", "api")  # api: where any server first reads a requ
 # reason) pairs its labels take, each exported at 0 from start-up (docs/metrics.md's table).
 REFUSALS: dict[str, dict[str, tuple[str, ...]]] = {
     # the scheduler's admission refusal on prefill (upstream's own check from 0.5.21) or a server outside
-    # PD (api); the tokenizer manager's, any role, of a prompt past the context (runtime/input_limits.py)
+    # PD (api); the tokenizer manager's, any role, of a prompt past the context (runtime/input_limits.py,
+    # H1's patch 0042): upstream's refusals of H1's kind, counted on every base
     "H1": {"prefill": ("input_too_long", "over_context", "over_context_with_output"),
            "decode": ("over_context", "over_context_with_output"),
            "api": ("input_too_long", "over_context", "over_context_with_output")},

@@ -36,4 +36,4 @@ def test_series_rebased_onto_0_5_21_passes_the_oversized_prompt_scenario(start_c
     obs = observe_oversized_via_lb(cluster)
     assert obs.via_lb.status == 400 and before_decode_gives_up(cluster, obs.via_lb), obs.via_lb
     assert wait_pages_idle(cluster, idle) == idle
-    assert "carries H0 H2 H3 H4 H5 H6 H7" in cluster.log_tail("decode", 400)
+    assert "carries H0 H1 H2 H3 H4 H5 H6 H7" in cluster.log_tail("decode", 400)

@@ -48,9 +48,9 @@ H5A = "0033-h5-hold-and-release-together-across-ranks.patch"
 # sit where releases keep adding imports, H15's matches beside abort paths each release rewrote.
 H14 = "0040-h14-authenticate-bootstrap-registrations.patch"
 H15 = "0041-h15-abort-only-the-named-request.patch"
-# The context-length refusals counted: both calls of the tokenizer's check wrapped; 0.5.22 put its
+# H1's kind of refusal counted (the tokenizer's context-length check): both calls of the tokenizer's check wrapped; 0.5.22 put its
 # watermark-request check right below the seam's import, so from there a human carries it.
-H0C = "0042-h0-count-context-length-refusals.patch"
+H1C = "0042-h1-count-context-length-refusals.patch"
 
 
 # Why each verdict is the fact: 0.5.20 moved the seam's lines (offset only);
@@ -97,7 +97,7 @@ def test_series_carried_from_0_5_19(patches, tree_copy, drop_base, drop_ids, tar
         H6P: UPSTREAM if target == "0.5.23" else OFFSET,
         H5D: CONFLICT, H11: h11, H12: h12, H13: h13, H5A: CONFLICT,
         H14: OFFSET if target == "0.5.20" else CONFLICT, H15: CONFLICT,
-        H0C: OFFSET if target in ("0.5.20", "0.5.21") else CONFLICT}
+        H1C: OFFSET if target in ("0.5.20", "0.5.21") else CONFLICT}
     assert result.pin == load_lock(patches)[target]  # pinned afresh: what the index serves
     if verdict == CONFLICT:
         merged = result.verdicts[0].rejects["sglang/srt/entrypoints/http_server.py"]
@@ -122,14 +122,14 @@ def test_backport_upstream_already_has_is_dropped_and_recorded(patches, tree_cop
     result = rebase(tree_copy, "0.5.20", "0.5.21")
     assert {v.patch.name: v.verdict for v in result.verdicts} == {
         H0: MERGED, H7: OFFSET, H7B: OFFSET, H1: UPSTREAM, H2: OFFSET, H3: MERGED, H4: MERGED, H5: UPSTREAM,
-        H5G: MERGED, H5S: MERGED, H6: OFFSET, H6P: OFFSET, H11: OFFSET, H12: OFFSET, H13: OFFSET, H0C: OFFSET}
+        H5G: MERGED, H5S: MERGED, H6: OFFSET, H6P: OFFSET, H11: OFFSET, H12: OFFSET, H13: OFFSET, H1C: OFFSET}
     written = write_series(tree_copy, result, force=False)
     series_text = (written / "series").read_text()
     assert f"# dropped {H1}: Applied-Upstream: 0.5.21" in series_text
     assert f"# dropped {H5}: Applied-Upstream: 0.5.21" in series_text
     assert not (written / H1).exists() and not (written / H5).exists()
     carried = load_series(tree_copy, "0.5.21")
-    assert [p.name for p in carried.patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P, H11, H12, H13, H0C]
+    assert [p.name for p in carried.patches] == [H0, H7, H7B, H2, H3, H4, H5G, H5S, H6, H6P, H11, H12, H13, H1C]
     hand_made = [p for p in load_series(patches, "0.5.21").patches
                  if p.name not in (H8, H8N, H5D, H5R, H5A, H14, H15)]
     assert [added_lines(p.diff) for p in carried.patches] == [added_lines(p.diff) for p in hand_made]
@@ -164,7 +164,7 @@ def test_conflict_exits_non_zero_writes_the_merge_and_nothing_else(run_cli, tree
     assert (tree_copy / "upstream.lock").read_text() == lock_before
     rejected = sorted(rejects.iterdir())
     assert {r.name.split(".", 1)[0] for r in rejected} == {
-        p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S, H5D, H12, H5A, H14, H15, H0C)}
+        p.removesuffix(".patch") for p in (H0, H2, H5, H8, H8N, H5G, H5S, H5D, H12, H5A, H14, H15, H1C)}
     assert all("<<<<<<<" in r.read_text() for r in rejected)
 
 

@@ -65,6 +65,31 @@ def test_the_knobs_are_those_the_registry_and_the_policy_give_the_id(items):
         assert set(item.knobs) == expected, item.id
 
 
+COUNTED = re.compile(r"metrics\.refused\(\s*\"(H\d+)\"")  # the id a runtime module counts a refusal under
+
+
+def _counted(path: str) -> set[str]:
+    """The ids a runtime module counts refusals under (``metrics.refused("H<n>", ...)``)."""
+    return set(COUNTED.findall((REPO / path).read_text())) if path.endswith(".py") else set()
+
+
+def test_a_patch_and_the_refusals_its_runtime_modules_count_name_one_id(items, patches):
+    """Each module that counts refusals under an id is that id's (its catalogue entry lists it),
+    and a patch calling modules that count refusals carries one of the ids they count: the
+    catalogue, the patch's Hardening-Id and the metric's id label say the same item."""
+    runtime = {path for item in items for path in item.runtime}
+    for item in items:
+        for path in runtime:
+            if item.id in _counted(path):
+                assert path in item.runtime, f"{path} counts {item.id}'s refusals; {item.id} does not list it"
+    for base in load_lock(patches):
+        for patch in load_series(patches, base).patches:
+            counted = set().union(*(_counted(f"sglang_hardened/runtime{package.replace('.', '/')}/{module}.py")
+                                    for package, module in RUNTIME_IMPORT.findall(patch.diff)))
+            assert not counted or patch.hardening_id in counted, \
+                f"{base}/{patch.name} is filed under {patch.hardening_id}; its refusals count as {sorted(counted)}"
+
+
 def test_the_model_switches_and_the_refusal_metrics_follow_the_list(items):
     assert {s.value for s in Switch} == {i.id for i in items if i.modelled}
     assert set(REFUSALS) == {i.id for i in items if i.refuses}
