@@ -68,7 +68,7 @@ def verify_image(tag: str, key: Path, out_dir: Path, engine: str | None) -> None
 
     \b
     Example:
-      sglang-hardened verify-image --image sglang-hardened:0.5.23-hardened.13 --key release.pub
+      sglang-hardened verify-image --image sglang-hardened:0.5.23-hardened.14 --key release.pub
     """
     from .attest import public_key, verify_image as verify
     from .build import attestation_files

@@ -374,7 +374,7 @@ def test_deploy_check_passes_the_shipped_parameters_which_name_the_current_build
      "KV pool holds 32768 tokens, fewer than the context length 32790"),
     ({"DECODE_MAX_TOTAL_TOKENS": "8192"}, "KV pool holds 8192 tokens"),
     ({"IMAGE": "docker.io/lmsysorg/sglang:v0.5.23"}, "is not tagged as a hardened build"),
-    ({"TOOL_IMAGE": "registry.example.com/sglang-hardened-tool:0.5.22-hardened.15"},
+    ({"TOOL_IMAGE": "registry.example.com/sglang-hardened-tool:0.5.22-hardened.16"},
      "is not the tool image of"),
     ({"TRANSFER_BACKEND": "tcp"}, "'tcp' is not a backend the hardening covers"),
 ])

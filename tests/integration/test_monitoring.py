@@ -251,7 +251,7 @@ EVENTS: dict[str, tuple[dict[str, str | None], int]] = {
         {_series("sglang_hardened_build_info", {**SERVER["decode"], **BUILD}): None}, 15),
     "SGLangHardenedMixedBuilds": ({
         _series("sglang_hardened_build_info", {**SERVER["decode"], **BUILD}): None,
-        _series("sglang_hardened_build_info", {**SERVER["decode"], **BUILD, "version": "0.5.23+hardened.13",
+        _series("sglang_hardened_build_info", {**SERVER["decode"], **BUILD, "version": "0.5.23+hardened.14",
                                                "series_revision": "13"}): f"1x{STEPS}"}, 70),
     "SGLangHardenedCanaryFailed": ({_series("kube_cronjob_status_last_successful_time", CANARY): f"0x{STEPS}"}, 40),
     "SGLangHardenedCanaryStale": ({_series("kube_cronjob_status_last_schedule_time", CANARY): f"0x{STEPS}",
