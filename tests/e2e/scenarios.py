@@ -100,7 +100,7 @@ TRUNC_PARAMS = dict(prefill_pool_tokens=1024, decode_pool_tokens=1200, context_l
 TRUNC_PREFILL_TOKENS = 506  # what prefill keeps of a longer prompt there
 SAME_PAGE_TOKENS = 509
 SAME_PAGE = prompt_of(SAME_PAGE_TOKENS)
-# Issue #45's page size, the recipe's default. With 64-token pages prefill's 506 tokens end in page 7
+# Page size 64, the recipe's default. With 64-token pages prefill's 506 tokens end in page 7
 # (448-511), as SAME_PAGE does; LAST_PAGE (530) ends one page later on decode, in page 8, partly filled
 # and the one page no transfer writes. PAGE_ENDS fit both limits: prompts either side of page ends.
 RECIPE_PAGE = 64

@@ -71,7 +71,7 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
     cluster = start_cluster(sandbox_env(base, hardened=True), backend=backend, **BOUNDARY_PARAMS, **DEPTH,
                             extra_flags=METRICS_FLAGS)
     idle = cluster.used_tokens()
-    # #48: served at 0 before the first refusal, so an alert on its increase sees that first one
+    # served at 0 before the first refusal, so an alert on its increase sees that first one
     assert [s.value for s in hardened_samples(cluster, "prefill")
             if s.name == "sglang_hardened_requests_refused_total" and s.labels == H1_REFUSED] == [0]
     with phase(f"scenario boundaries {base} hardened {backend}"):
@@ -93,8 +93,8 @@ def test_hardened_oversized_and_boundary_prompts(start_cluster, base, backend):
         assert all(r.status == 200 and json.loads(r.body)["meta_info"]["prompt_tokens"] == tokens for r in replies(v[name])), v[name].replies
         assert not v[name].leaked, (name, v[name].replies)
     assert wait_pages_idle(cluster, idle) == idle
-    # #27's metrics: prefill refused the over-limit prompts at admission (H1: the incident's over-pool
-    # prompt each time, #48), decode ended them on H4's word (read from the outcome route), and
+    # the metrics: prefill refused the over-limit prompts at admission (H1: the incident's over-pool
+    # prompt each time), decode ended them on H4's word (read from the outcome route), and
     # both roles counted H12's refusals
     refused = len(replies(v["oversized"])) + len(replies(v["over_limit"]))
     assert hardened_metric(cluster, "prefill", "requests_refused_total", id="H1", reason="input_too_long") == refused

@@ -297,7 +297,7 @@ def test_every_pod_meets_pod_security_restricted_and_only_smg_holds_a_token_that
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
     smg = next(c for c in templates["gateway"]["spec"]["containers"] if c["name"] == "gateway")
     assert smg["securityContext"]["runAsUser"] > 0  # upstream's smg image names its user: runAsNonRoot needs a number
-    # the checks bite: the servers' context before #44 is refused at baseline already
+    # the checks bite: the servers' security context as first shipped (IPC_LOCK added) is refused at baseline already
     before = copy.deepcopy(templates["prefill"]["spec"])
     before["containers"][0]["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     assert pod_security(before)["baseline"] == ["server: adds ['IPC_LOCK']"]

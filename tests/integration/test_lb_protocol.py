@@ -472,7 +472,7 @@ def test_hardened_workers_get_no_such_warning(rig):
     assert NOT_HARDENED not in lb.log()
 
 
-# Issue #44: what a tenant's requests hold in the lb.
+# What a tenant's requests hold in the lb.
 
 HELD_S = 600  # stand-ins and a grace that outlast the test: what holds a slot is the lb's to say
 
