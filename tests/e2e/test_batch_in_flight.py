@@ -27,8 +27,8 @@ cluster per build); full for the H3 and H8 case and H4's, on the same clusters: 
 Cost, measured 2026-12-06 on this 2-core host: the gate's selection (``scripts/test
 tests/e2e/test_batch_in_flight.py -k releases``) 207 s at a load of 16, two cluster starts 152 s of
 it (a start is 20-30 s on a quiet host), each case about 27 s; the whole module (``scripts/test
-tests/e2e/test_batch_in_flight.py``) 527-551 s at a load of 12-36, the starts 111-174 s each, the
-H3 and H8 case 81-109 s per build, H4's 11 s (hardened) and 31 s (upstream). The per-base loop
+tests/e2e/test_batch_in_flight.py``) 309 s at a load of 2-8, 527-551 s at 12-36, the starts 25-174 s
+each, the H3 and H8 case 68-109 s per build, H4's 11 s (hardened) and 30-31 s (upstream). The per-base loop
 check runs in the weekly full matrix.
 """
 
