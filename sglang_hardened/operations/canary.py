@@ -21,6 +21,7 @@ ok only if some check was judged and every judged check passed.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import uuid
@@ -118,8 +119,8 @@ class _Sender:
                                 f"{self.plan.time_budget_s:g} s) before the probe finished")
         try:
             reply = generate(self.url, prompt, self.plan.max_new_tokens, self.plan.request_timeout_s)
-        except OSError as exc:  # refused, reset, unresolvable, timed out: no answer to judge
-            raise HardenedError(f"{self.url} did not answer: {getattr(exc, 'reason', exc)}") from None
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, reset, timed out; not SGLang's answer
+            raise HardenedError(f"{self.url}/generate did not answer: {getattr(exc, 'reason', exc)}") from None
         self.sent.append((prompt, reply))
         if len(self.sent) % PROGRESS_EVERY == 0:
             self.progress(f"canary: {len(self.sent)} of {self.plan.requests_needed} requests sent, "

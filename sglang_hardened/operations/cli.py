@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ..common.errors import HardenedError
+from ..common.http_url import http_url
 from ..common.output import OK, PROBLEM, UNJUDGED, json_option, say, write_json
 from ..common.table import format_table
 
@@ -63,8 +64,8 @@ def preflight(prefill: tuple[str, ...], decode: tuple[str, ...], gateway: str | 
 
 
 @click.command("canary")
-@click.option("--url", required=True, help="The deployment's load balancer.")
-@click.option("--tokenize-url", help="An SGLang server of the deployment (a prefill) whose /tokenize cuts every "
+@click.option("--url", required=True, callback=http_url, help="The deployment's load balancer.")
+@click.option("--tokenize-url", callback=http_url, help="An SGLang server of the deployment (a prefill) whose /tokenize cuts every "
                                      "prompt to its exact length [default: --url; a gateway may not serve it].")
 @click.option("--pool-tokens", type=int, required=True, help="Prefill KV pool size in tokens (preflight shows it).")
 @click.option("--context-length", type=int, required=True, help="The nodes' context length (preflight shows it).")

@@ -11,6 +11,7 @@ to fall back to: a server that does not answer a count per text is an error that
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import urllib.error
@@ -34,15 +35,15 @@ def token_counts(url: str, texts: list[str], timeout: float = TIMEOUT_S) -> list
     ``{"prompt": [text, ...]}``, whose answer's ``count`` holds one count per text. Raises
     HardenedError naming the server and what it answered when that is not a count per text."""
     where = f"{url.rstrip('/')}/tokenize"
-    req = urllib.request.Request(where, data=json.dumps({"prompt": texts}).encode(),
-                                 headers={"content-type": "application/json"})
     try:
+        req = urllib.request.Request(where, data=json.dumps({"prompt": texts}).encode(),
+                                     headers={"content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, body = r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         raise HardenedError(f"{where} answered HTTP {e.code}, not token counts (it must be an SGLang server's): "
                             f"{e.read().decode(errors='replace')[:ANSWER_CHARS]}") from None
-    except OSError as e:  # refused, reset, unresolvable, timed out
+    except (OSError, ValueError, http.client.HTTPException) as e:  # refused, reset, timed out; a URL it cannot send to
         raise HardenedError(f"{where} did not answer: {getattr(e, 'reason', e)}") from None
     try:
         counts = json.loads(body)["count"]

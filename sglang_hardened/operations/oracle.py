@@ -30,7 +30,8 @@ class Reply:
 
 def generate(base_url: str, text: str, max_new_tokens: int = 8, timeout: float = 600.0,
              extra: Mapping[str, object] | None = None) -> Reply:
-    """POST a greedy /generate request; never raises on an HTTP error status."""
+    """POST a greedy /generate request; never raises on an HTTP error status, ValueError on a 200
+    that holds no output ids."""
     payload = {"text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
                **(extra or {})}
     req = urllib.request.Request(f"{base_url.rstrip('/')}/generate", data=json.dumps(payload).encode(),
@@ -42,10 +43,16 @@ def generate(base_url: str, text: str, max_new_tokens: int = 8, timeout: float =
     except urllib.error.HTTPError as e:
         status, body = e.code, e.read().decode(errors="replace")
     seconds = time.monotonic() - start
-    ids = None
-    if status == 200:
-        ids = tuple(json.loads(body)["output_ids"])
-    return Reply(status, ids, body, seconds)
+    return Reply(status, _output_ids(body) if status == 200 else None, body, seconds)
+
+
+def _output_ids(body: str) -> tuple[int, ...]:
+    """A 200's output token ids; ValueError naming the body where it is not SGLang's answer (a
+    proxy's page)."""
+    try:
+        return tuple(json.loads(body)["output_ids"])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"HTTP 200 without output_ids (not an SGLang answer): {body[:300]}") from None
 
 
 @dataclass

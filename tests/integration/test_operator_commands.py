@@ -147,3 +147,39 @@ def test_the_drain_hook_waits_for_two_idle_polls_and_gives_up_naming_what_is_hel
     dead = f"http://127.0.0.1:{closed_port()}"
     with pytest.raises(HardenedError, match=rf"cannot read {dead}/v1/loads"):
         drain(dead, settle_s=0.0, timeout_s=1, poll_s=0.05)
+
+
+@pytest.mark.parametrize("option", ["--url", "--tokenize-url"])
+@pytest.mark.parametrize("bad", ["foo", "http://h:notaport", "ftp://x", "http://", "http://h:0", "http://h:1/p?q=1"])
+def test_a_url_that_is_not_http_host_port_path_is_a_usage_error_naming_the_option(option, bad):
+    args = {"--url": "http://127.0.0.1:9", "--tokenize-url": "http://127.0.0.1:9", option: bad}
+    result = CliRunner().invoke(canary, [*(a for kv in args.items() for a in kv), "--pool-tokens", "256",
+                                         "--context-length", "1024"])
+    assert result.exit_code == 2 and option in result.output and bad in result.output, result.output
+    assert "Traceback" not in result.output and not isinstance(result.exception, ValueError), result.output
+
+
+@pytest.mark.parametrize("which", ["/tokenize", "/generate"])
+def test_a_200_that_is_not_json_leaves_the_canary_unjudged_naming_the_url(which, http_stand_in, tmp_path):
+    """A real loopback server standing in for a proxy's HTML page where SGLang should answer."""
+    def answer(path, body=b""):
+        if path == which:
+            return 200, b"<html>not SGLang</html>"
+        return 200, json.dumps({"count": [len(t.split()) for t in json.loads(body)["prompt"]]}
+                               if path == "/tokenize" else {"output_ids": [1, 2]}).encode()
+
+    url = "http://" + http_stand_in(answer)
+    out = tmp_path / "canary.json"
+    result = CliRunner().invoke(canary, ["--url", url, "--pool-tokens", "256", "--context-length", "1024",
+                                         "--json", str(out)])
+    assert result.exit_code == UNJUDGED and isinstance(result.exception, SystemExit), result.output
+    assert f"{url}{which}" in out.read_text() and "not SGLang" in out.read_text(), out.read_text()
+
+
+def test_run_canary_called_with_a_url_urllib_cannot_send_to_reports_it_unjudged(tokenize_url):
+    """The library call, which no click callback guards."""
+    from sglang_hardened.operations.canary import ANSWERS, Plan, run_canary
+
+    report = run_canary("http://h:notaport", Plan(256, 1024), tokenize_url=tokenize_url)
+    assert report.unjudged and [c.name for c in report.checks] == [ANSWERS], report
+    assert "http://h:notaport/generate did not answer" in report.checks[0].detail, report

@@ -75,3 +75,11 @@ def test_a_tokenizer_that_never_comes_down_is_refused_naming_the_lengths():
 def test_a_head_and_tail_longer_than_the_draft_are_refused_not_sent():
     with pytest.raises(HardenedError, match=r"cut to 0 words at the least \(wanted: counted\) \{4: "):
         sized(additive, WordCosts.measure(additive), [Draft(4, "s", "a head of many words", "and a tail")])
+
+
+@pytest.mark.parametrize("url", ["foo", "http://h:notaport"])
+def test_a_url_urllib_cannot_send_to_is_an_error_naming_it_not_a_traceback(url):
+    from sglang_hardened.operations.filler import token_counts
+
+    with pytest.raises(HardenedError, match=f"{url}/tokenize"):
+        token_counts(url, ["the key"])
