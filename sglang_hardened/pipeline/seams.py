@@ -12,26 +12,38 @@ A runtime call is told from glue by its alias: a seam imports each runtime modul
 upstream file, as ``hardened_<module>`` (its dotted path under runtime joined by ``_``), and a
 line counts as a runtime call only through an alias its file imported. One alias per module
 makes a seam greppable across every patch and base; ``verify`` fails an import under any other
-name, naming the patch's line.
+name, of anything but a runtime module (a package, a function, another library under a
+``hardened_`` alias), and any other line that names the layer, naming the patch's line.
+
+Lines are read as Python tokens, so a ``#`` or bracket inside a string neither ends a line's code
+nor holds a call open; a line that does not tokenize alone, or that holds a ``;``, is glue.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
+import functools
+import io
 import re
+import tokenize
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..common.table import markdown_table
 from . import unidiff
 
 GLUE_LINES_MAX = 3  # per vendor patch and upstream file
 RUNTIME = "sglang_hardened.runtime"
-# A line that imports the runtime: ``from sglang_hardened.runtime[.<package>] import <names>``, or
+RUNTIME_DIR = Path(__file__).resolve().parents[1] / "runtime"
+# A line that is a runtime import: ``from sglang_hardened.runtime[.<package>] import <names>``, or
 # any ``import sglang_hardened...`` (which the rule refuses: a seam imports one module, aliased).
-_IMPORT = re.compile(r"\bfrom sglang_hardened\.runtime((?:\.\w+)*) import (.+)|\bimport sglang_hardened\b")
+_IMPORT = re.compile(r"from sglang_hardened\.runtime((?:\.\w+)*) import (.+)|import sglang_hardened\b.*")
 _NAME = re.compile(r"(\w+) as (\w+)")
+_HARDENED_ALIAS = re.compile(r"\bimport\b.*\bas hardened_\w")  # ``hardened_`` names runtime modules only
+_BLANKED = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}  # 3.12 splits f-strings
+_LAYOUT = {tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
 _CALL = re.compile(r"(?<![\w.])(hardened_\w+)\.(\w+)")  # ``hardened_<module>.f``, not ``x.hardened_y.f``
 _NEW_START = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)")
 
@@ -42,16 +54,61 @@ def alias_for(module: str) -> str:
     return "hardened_" + module.replace(".", "_")
 
 
-def _code(line: str) -> str:
-    """A line without its trailing comment: a comment that names the layer makes no line a seam."""
-    return line.split("#", 1)[0].strip()
+@functools.cache
+def runtime_modules() -> frozenset[str]:
+    """Every module of the runtime layer, as its dotted path under runtime (packages excluded:
+    a seam calls a module's function, and its alias names that module)."""
+    return frozenset(".".join(p.relative_to(RUNTIME_DIR).with_suffix("").parts)
+                     for p in RUNTIME_DIR.rglob("*.py") if p.name != "__init__.py")
 
 
-def _imports(code: str) -> tuple[list[tuple[str, str]], str | None]:
-    """The (runtime module, alias) pairs a line of code imports, and what breaks the alias rule
-    there (None: nothing)."""
-    found = _IMPORT.search(code)
-    if not found:
+def _tokens(line: str) -> list[tokenize.TokenInfo] | None:
+    """A line's tokens, layout dropped (None: it does not tokenize alone, as inside a string that
+    spans lines). A bracket left open, or closed from an earlier line, is no error here."""
+    found: list[tokenize.TokenInfo] = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(line.strip()).readline):
+            if tok.type not in _LAYOUT:
+                found.append(tok)
+    except tokenize.TokenError as exc:
+        if "statement" not in str(exc.args[0]):  # "EOF in multi-line statement": a bracket open
+            return None
+    except SyntaxError:
+        return None
+    return found
+
+
+def _code(line: str) -> str | None:
+    """A line's code: its comment dropped and each string blanked to ``""``, so neither a comment
+    nor a string that names the layer or holds a ``#`` or a bracket changes how it is read (None:
+    it does not tokenize alone)."""
+    if (tokens := _tokens(line)) is None:
+        return None
+    text, parts, end = line.strip(), [], 0
+    for tok in tokens:
+        if tok.type == tokenize.COMMENT:
+            break
+        parts += [text[end:tok.start[1]], '""' if tok.type in _BLANKED else tok.string]
+        end = tok.end[1]
+    return "".join(parts)
+
+
+def _names_layer(line: str) -> bool:
+    """Whether a line's code or strings (not its comment) name the hardening package."""
+    if (tokens := _tokens(line)) is None:
+        return "sglang_hardened" in line
+    return any("sglang_hardened" in tok.string for tok in tokens if tok.type != tokenize.COMMENT)
+
+
+def _runtime_import(code: str | None) -> re.Match[str] | None:
+    """The line's code read as a runtime import, when it is nothing but that."""
+    return _IMPORT.fullmatch(code) if code is not None and ";" not in code else None
+
+
+def _imports(code: str | None) -> tuple[list[tuple[str, str]], str | None]:
+    """The (runtime module, alias) pairs a line of code imports when it is nothing but a runtime
+    import, and what breaks the alias rule there (None: nothing)."""
+    if not (found := _runtime_import(code)):
         return [], None
     if found.group(2) is None:
         return [], f"`{code}`: import a runtime module as `from {RUNTIME} import <module> as hardened_<module>`"
@@ -59,20 +116,36 @@ def _imports(code: str) -> tuple[list[tuple[str, str]], str | None]:
     for name in filter(None, (n.strip() for n in found.group(2).split(","))):
         module = f"{package[1:]}.{name.split()[0]}" if package else name.split()[0]
         alias = match.group(2) if (match := _NAME.fullmatch(name)) else None
-        if alias != alias_for(module):
+        if module not in runtime_modules():
+            faults.append(f"`{code}`: {RUNTIME}.{module} is no runtime module (a seam imports a module, "
+                          "not a package or a function)")
+        elif alias != alias_for(module):
             faults.append(f"`{code}`: {RUNTIME}.{module} must be imported as {alias_for(module)}")
         else:
             pairs.append((module, alias))
     return pairs, "; ".join(faults) or None
 
 
+def _fault(line: str) -> str | None:
+    """What breaks the alias rule in one added line (None: nothing)."""
+    code = _code(line)
+    if _runtime_import(code):
+        return _imports(code)[1]
+    if _names_layer(line):
+        return f"`{line.strip()}`: a seam names {RUNTIME} only in its one import line"
+    if code is not None and _HARDENED_ALIAS.search(code):
+        return f"`{line.strip()}`: a `hardened_` alias names a runtime module, imported from {RUNTIME}"
+    return None
+
+
 def alias_faults(diff: str) -> list[tuple[int, str]]:
-    """Each added line of a diff that imports the runtime other than as the rule says (one module
-    per name, aliased ``alias_for(module)``): its line number in the diff (1-based) and why."""
+    """Each added line of a diff that breaks the alias rule (one runtime module per name, aliased
+    ``alias_for(module)``, and the layer named nowhere else): its line number in the diff (1-based)
+    and why."""
     faults = []
     for number, line in enumerate(diff.splitlines(), 1):
         if line.startswith("+") and not line.startswith("+++"):
-            if (fault := _imports(_code(line[1:]))[1]) is not None:
+            if (fault := _fault(line[1:])) is not None:
                 faults.append((number, fault))
     return faults
 
@@ -113,12 +186,16 @@ class Aliases:
 
     def calls(self, target: str, line: str) -> list[str]:
         """The runtime functions (``module.function``) a line of ``target`` calls through its aliases."""
-        return [f"{self.modules[target, alias]}.{fn}" for alias, fn in _CALL.findall(_code(line))
+        code = _code(line)
+        if code is None or ";" in code:
+            return []
+        return [f"{self.modules[target, alias]}.{fn}" for alias, fn in _CALL.findall(code)
                 if (target, alias) in self.modules]
 
 
-def _depth(line: str) -> int:
-    return sum(line.count(c) for c in "([{") - sum(line.count(c) for c in ")]}")
+def _depth(code: str) -> int:
+    """The brackets a line's code leaves open (negative: closes), its strings already blanked."""
+    return sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
 
 
 def glue_lines(diff: str, aliases: Aliases | None = None) -> dict[str, list[str]]:
@@ -131,11 +208,13 @@ def glue_lines(diff: str, aliases: Aliases | None = None) -> dict[str, list[str]
         for hunk in fp.hunks:
             open_call = 0  # brackets still open in a runtime call
             for raw in (line for run in added_runs(hunk) for line in run):
-                line = raw.strip()
-                if not line or line.startswith("#"):
+                line, code = raw.strip(), _code(raw)
+                if code == "":  # blank, or only a comment
                     continue
-                if open_call > 0 or _IMPORT.search(_code(line)) or aliases.calls(fp.target, line):
-                    open_call = max(0, open_call + _depth(_code(line)))
+                seam = _runtime_import(code) or (code is not None and ";" not in code and (
+                    open_call > 0 or aliases.calls(fp.target, line)))
+                if seam:
+                    open_call = max(0, open_call + _depth(code))
                 else:
                     glue.setdefault(fp.target, []).append(line)
     return glue
