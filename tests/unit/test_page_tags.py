@@ -5,7 +5,8 @@ transfer engine (a tag row moves from prefill page to decode page as every KV
 layer's item does); the tag logic under test is the real module. Two oracles:
 a reference model of the rule ("allowed exactly when every page's last write
 since it was last allocated or released carries the reader's current room and
-epoch"), and the ground truth of who wrote each page's data, which an allowed
+epoch"; a room's allocation ends when it is released or when one of its pages
+is allocated again), and the ground truth of who wrote each page's data, which an allowed
 read must never contradict. Every behavioural test runs on both row paths
 (torch, which CUDA runs; numpy, which CPU runs), on CPU tensors.
 """
@@ -46,7 +47,6 @@ class Req:
     room: int
     epoch: int
     table: list[int]  # decode's page table for the request (what the check reads)
-    allocated: list[int]  # the pages decode gave it (a stale index changes the table, not these)
     src: list[int]  # prefill pages holding its KV
 
 
@@ -64,6 +64,7 @@ class Harness:
     # The reference model of the rule, and the ground truth of each page's data.
     ref_tag: dict[int, Tag | None] = field(default_factory=dict)
     ref_expected: dict[int, int] = field(default_factory=dict)
+    ref_allocated: dict[int, list[int]] = field(default_factory=dict)
     written_by: dict[int, Tag | None] = field(default_factory=dict)
     failed_checks: int = 0
 
@@ -78,10 +79,14 @@ class Harness:
         epoch = self.decode.allocate(room, pages)
         assert epoch >= 1 and epoch not in self.epochs_seen
         self.epochs_seen.add(epoch)
+        owners = {r for r, held in self.ref_allocated.items() if set(held) & set(pages)}
+        for stale in owners | {room}:  # pages handed out again end their holder's allocation
+            self.ref_forget(stale)
         self.ref_expected[room] = epoch
+        self.ref_allocated[room] = list(pages)
         self.ref_tag.update(dict.fromkeys(pages))
         src = [(src_seed + i * 5) % PREFILL_PAGES for i in range(size)]
-        self.live[room] = Req(room, epoch, pages, list(pages), src)
+        self.live[room] = Req(room, epoch, pages, src)
 
     def new_request(self, size: int, src_seed: int) -> None:
         # Rooms are random 63-bit in SGLang; spread them to exercise the full int64 range.
@@ -106,12 +111,15 @@ class Harness:
     def release(self, req: Req, retract: bool) -> None:
         del self.live[req.room]
         self.decode.release(req.room)  # the pages it was given, whatever its table says now
-        self.ref_expected.pop(req.room, None)
-        self.ref_tag.update(dict.fromkeys(req.allocated))
+        self.ref_forget(req.room)
         self.free.extend(req.table)
         self.gone.append(req)
         if retract:
             self.retracted.append(req.room)
+
+    def ref_forget(self, room: int) -> None:
+        self.ref_expected.pop(room, None)
+        self.ref_tag.update(dict.fromkeys(self.ref_allocated.pop(room, ())))
 
     def check(self, req: Req) -> None:
         verdict = self.decode.check(req.room, req.table)

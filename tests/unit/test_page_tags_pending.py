@@ -118,3 +118,43 @@ def test_a_count_read_before_the_event_waits_for_it():
     tags.event = device.Event
     tags.allocate(3, [1])
     assert tags.check(3, [1]) is not None and device.waits == 1
+
+
+@pytest.mark.parametrize("path", ["torch", "numpy"])
+@pytest.mark.parametrize("written, refused", [([2, 3, 4], None), ([2, 3], "1 of its 3 pages")])
+def test_a_request_that_skipped_the_pending_seam_is_checked_not_crashed(aborted, path, written, refused):
+    """A path to `_commit_transfer_to_req` past `pop_transferred`'s seam started no verdict: the
+    commit seam checks the request's pages itself, waiting for the device, and refuses or admits
+    as the two halves would, instead of raising in decode's loop."""
+    tags, device, dreq, _ = queued(path, written)
+    assert seams.refuse_untagged(dreq) == (refused is not None)
+    assert (refused in aborted[0]) if refused else not aborted
+    assert device.waits == (path == "torch") and ROOM not in tags.expected
+
+
+def test_pages_handed_out_again_drop_a_room_never_released():
+    """A request refused before H8's seam (H3, a room mismatch) or a failed transfer released at
+    once never reaches the release seam; when its pages go to another request, its epoch and
+    pages go: nothing of it stays for the server's life."""
+    tags = DecodePageTags(16, path="numpy")
+    refused = decode_req(tags, prompt=10)
+    seams.allocate(refused, [2, 3, 4])  # then refused by H3: no release
+    other = decode_req(tags, prompt=10)
+    other.req.bootstrap_room = ROOM + 1
+    seams.allocate(other, [4, 5])
+    assert tags.expected == {ROOM + 1: other.hardened_epoch} and list(tags._allocated) == [ROOM + 1]
+    assert tags.check(ROOM + 1, [4, 5]) is not None  # the new room's rows are unstamped, as allocated
+
+
+@pytest.mark.parametrize("path", ["torch", "numpy"])
+def test_allocations_never_released_stay_bounded_by_the_pool(path):
+    """Rooms allocated and never released, over a pool of 8 pages: the tables hold at most a room
+    per page, and a later room's allocation of other pages is left alone."""
+    tags = DecodePageTags(8, path=path)
+    kept = tags.allocate(10_000, [7])
+    for room in range(500):
+        tags.allocate(room, [room % 7, (room + 3) % 7])
+        assert len(tags.expected) <= 8 and len(tags._allocated) <= 8
+    assert tags.expected[10_000] == kept
+    tags.buffer.stamp([7], 10_000, kept)
+    assert tags.check(10_000, [7]) is None

@@ -344,6 +344,12 @@ class DecodePageTags:
         self.fail_closed = PAGE_TAGS_FAIL_CLOSED.get() if fail_closed is None else fail_closed
         self.expected: dict[int, int] = {}
         self._allocated: dict[int, Index] = {}  # room -> its current allocation's pages, for release
+        # Page -> the room whose current allocation holds it (-1: none), on the host. A room whose
+        # pages are handed out again was freed on a path that skips the release seam (a refusal
+        # before H8's, a failed transfer released at once): its state goes then, so what these
+        # tables hold is bounded by the pool, not by the server's life.
+        self._owner = np.full(num_pages, -1, dtype=np.int64)
+        self._owned: dict[int, np.ndarray] = {}  # room -> its pages as host indices into `_owner`
         self._last_epoch = 0
         self.mismatched_requests = 0
         self.mismatched_pages = 0
@@ -355,9 +361,16 @@ class DecodePageTags:
         start = self.cost.start()
         idx = self._ops.index(pages)
         self._ops.clear(idx)  # before the bookkeeping: a bad index leaves no expectation behind
+        # Upstream hands host (numpy) page indices over: no device read here.
+        host = np.asarray(pages.numpy(force=True) if isinstance(pages, torch.Tensor) else pages, dtype=np.intp)
+        owners = self._owner[host]
+        for stale in np.unique(owners[owners >= 0]).tolist() + [room]:
+            self._forget(stale)  # this room's earlier allocation, and rooms never released
         self._last_epoch += 1
         self.expected[room] = self._last_epoch
         self._allocated[room] = idx
+        self._owned[room] = host
+        self._owner[host] = room
         self.cost.add("allocate", start, 1, len(idx))
         return self._last_epoch
 
@@ -365,11 +378,19 @@ class DecodePageTags:
         """`room` gives its current allocation's pages back (finished, aborted, retracted): a late
         write into them can only carry this allocation's epoch, which nobody expects any more."""
         start = self.cost.start()
+        pages = self._forget(room)
+        self.cost.add("release", start, 1, pages)
+
+    def _forget(self, room: int) -> int:
+        """Drop `room`'s epoch, page ownership and rows' stamps; the pages it held (0 if none)."""
         self.expected.pop(room, None)
-        idx = self._allocated.pop(room, None)
-        if idx is not None:
-            self._ops.clear(idx)
-        self.cost.add("release", start, 1, 0 if idx is None else len(idx))
+        idx, host = self._allocated.pop(room, None), self._owned.pop(room, None)
+        if host is not None:
+            self._owner[host[self._owner[host] == room]] = -1
+        if idx is None:
+            return 0
+        self._ops.clear(idx)
+        return len(idx)
 
     def start_check(self, room: int, pages: Pages) -> Counted | PendingCount:
         """Compare the rows of `pages` with (room, its current epoch): the count of pages that do

@@ -287,18 +287,26 @@ def verdict_pending(transfer_queue, decode_req, rids_to_check=None) -> bool:
 def refuse_untagged(decode_req) -> bool:
     """Seam in decode's `_commit_transfer_to_req`, next to H3's: refuse the request (True: the
     caller returns) unless every page it is about to read carries its (room, epoch) on every
-    rank: the verdict `verdict_pending` started and shared, read from host memory."""
+    rank: the verdict `verdict_pending` started and shared, read from host memory. A request
+    that reached here without one (a path past `pop_transferred`'s seam) is checked here,
+    waiting for the device, over the pages it was given: a missing check refuses rather than
+    raises in decode's loop. No ranks agree on that verdict (a collective that only some ranks
+    reach would hang them)."""
     req = decode_req.req
     tags = _decode_tags(decode_req)
     if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or tags is None:
         return False
+    count = getattr(decode_req, "hardened_count", None)
     try:
         tags.admit()
-        reason = tags.verdict(req.bootstrap_room, decode_req.hardened_count)
+        if count is None:
+            reason = tags.check(req.bootstrap_room, getattr(decode_req, "hardened_pages", ()))
+        else:
+            reason = tags.verdict(req.bootstrap_room, count)
     except PageTagMismatch as closed:
         reason = str(closed)
     release(decode_req)
-    if reason is None and decode_req.hardened_other_rank:
+    if reason is None and getattr(decode_req, "hardened_other_rank", False):
         reason = OTHER_RANK.format(room=req.bootstrap_room)
         log.error(reason)
         metrics.refused("H8", "decode", "another_rank")
