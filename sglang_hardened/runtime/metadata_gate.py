@@ -8,13 +8,13 @@ before prefill reports Success (Mooncake's RDMA write) or sent ahead of it on th
 connection (the TCP aux path: NVLink pools, ``SGLANG_MOONCAKE_SEND_AUX_TCP``), so a row that
 has not landed by then never will: decode drops an AUX_DATA frame whose length field does not
 match what arrived (``_handle_aux_data``). The request then never answers, and its decode
-slot and pages stay held, which starves later admission (sglang#31800 reports that
+slot and pages stay held, which starves later admission (sgl-project/sglang#31800 reports that
 slot leak; its receiver-side timeout does not reach this hold).
 
 Hardened, the gate holds a request for at most decode's release timeout
 (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT, 30 s by default: the house's bound on
 a write that may still land, ``release_timeout.py``), counted from the first hold, not the
-waiting timeout sglang#31800 uses (300 s by default, sized for prefill's queue and compute: once
+waiting timeout sgl-project/sglang#31800 uses (300 s by default, sized for prefill's queue and compute: once
 prefill reported Success, only a write is left). Then its receiver concludes Failed with the
 cause, and upstream's failure path answers 500 naming it and releases the pages (through H5's
 release guard).

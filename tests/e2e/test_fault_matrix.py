@@ -460,7 +460,7 @@ def check_fails_part_way(fc: FaultCluster, fault: str, label: str, judge_pages: 
 @pytest.mark.claim("H13", "hardened", params=["0.5.23-mooncake-hardened"])
 @on([b for b in BUILDS if b.backend == "mooncake" and (b.hardened or FULL_MATRIX or b.base == "0.5.23")])
 def test_metadata_that_never_lands(fc):
-    """H13 (the slot leak of upstream sglang#31800): prefill writes the KV and reports Success,
+    """H13 (the slot leak of upstream sgl-project/sglang#31800): prefill writes the KV and reports Success,
     but the transfer's metadata (first token, room) goes over Mooncake's TCP aux path in frames
     decode drops (aux-cut). Upstream's metadata gate then holds the request as Transferring
     with no bound: no answer, its decode pages held, until a client's abort. Hardened decode

@@ -84,7 +84,7 @@ def test_requests_end_and_aborts_resolve_but_for_metadata_that_never_lands(
     results: dict[str, CheckResult], name: str
 ) -> None:
     """Everywhere, but upstream's metadata gate holds a Success whose row never lands for
-    ever (sglang#31800's slot leak): that is upstream's one request that does not end, bar
+    ever (sgl-project/sglang#31800's slot leak): that is upstream's one request that does not end, bar
     servers whose ranks have parted ways."""
     res = results[name]
     stuck = [f for f in res.findings if f.kind in ("requests-end", "aborts-resolve")]
