@@ -278,7 +278,7 @@ def verdict_pending(transfer_queue, decode_req, rids_to_check=None) -> bool:
         count = decode_req.hardened_count = tags.start_check(req.bootstrap_room, pages)
     ready = rids_to_check is not None or count.ready()
     refused_here = ready and (tags.closed_reason is not None or tags.fails(count))
-    # one collective a poll, on every rank, refusing or not (never behind a short-circuit)
+    # one collective per pending request per poll, on every rank, refusing or not (never behind a short-circuit)
     waiting, refused = any_rank([not ready, refused_here], (getattr(transfer_queue, "gloo_group", None),))
     decode_req.hardened_other_rank = refused and not refused_here
     return waiting
