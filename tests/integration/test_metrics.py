@@ -107,7 +107,7 @@ def test_nothing_is_imported_or_written_without_metrics(tmp_path):
 
 def _calls(name: str) -> list[ast.Call]:
     found = []
-    for path in RUNTIME.glob("*.py"):
+    for path in RUNTIME.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name \
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "metrics":
