@@ -21,7 +21,6 @@ ok only if some check was judged and every judged check passed.
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 import uuid
@@ -29,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from ..common.errors import HardenedError
-from .filler import Draft, WordCosts, counter, sized
+from .filler import NO_ANSWER, Draft, WordCosts, counter, sized
 from .oracle import Reply, Verdict, differential_check, generate
 
 CANARY_HEX = 8  # hex digits of a canary: unique per run, and short enough for an answer to repeat
@@ -119,7 +118,7 @@ class _Sender:
                                 f"{self.plan.time_budget_s:g} s) before the probe finished")
         try:
             reply = generate(self.url, prompt, self.plan.max_new_tokens, self.plan.request_timeout_s)
-        except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, reset, timed out; not SGLang's answer
+        except NO_ANSWER as exc:  # no answer to judge
             raise HardenedError(f"{self.url}/generate did not answer: {getattr(exc, 'reason', exc)}") from None
         self.sent.append((prompt, reply))
         if len(self.sent) % PROGRESS_EVERY == 0:

@@ -26,6 +26,9 @@ WORDS = ("the", "key", "of", "page", "door", "tree", "lamp", "book", "road", "ha
 FIT_TRIES = 8  # counts a batch may take to come down to its lengths (a tokenizer whose words' costs do not add up)
 TIMEOUT_S = 60.0
 ANSWER_CHARS = 300  # of a wrong answer, quoted in the error
+# what a request to a server raises when there is no answer to read: refused, reset, timed out
+# (OSError), a URL urllib cannot send to or a 200 that is not SGLang's (ValueError), a broken reply
+NO_ANSWER = (OSError, ValueError, http.client.HTTPException)
 
 Counter = Callable[[list[str]], list[int]]  # texts -> each one's token count, as the server counts it
 
@@ -43,7 +46,7 @@ def token_counts(url: str, texts: list[str], timeout: float = TIMEOUT_S) -> list
     except urllib.error.HTTPError as e:
         raise HardenedError(f"{where} answered HTTP {e.code}, not token counts (it must be an SGLang server's): "
                             f"{e.read().decode(errors='replace')[:ANSWER_CHARS]}") from None
-    except (OSError, ValueError, http.client.HTTPException) as e:  # refused, reset, timed out; a URL it cannot send to
+    except NO_ANSWER as e:
         raise HardenedError(f"{where} did not answer: {getattr(e, 'reason', e)}") from None
     try:
         counts = json.loads(body)["count"]
